@@ -1,0 +1,35 @@
+"""mokgen: a compiler for Mixture-of-Experts megakernels.
+
+    spec (MoESpec) -> stage graph (ir) -> Plan (schedule) -> CuTe-DSL source (codegen)
+    -> ahead-of-time compiled kernels -> torch ops (runtime)
+
+Public API: MoESpec, load, moe, route.
+"""
+__version__ = "0.1.0"
+
+from .ir import MoESpec, SpecError  # noqa: E402
+
+
+def load(spec_or_path, **kw):
+    """Load (building if needed) a variant; returns a runtime.Variant."""
+    from .runtime import load as _load
+
+    return _load(spec_or_path, **kw)
+
+
+def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None, **kw):
+    """The MoE layer of DESIGN.md section 1, through the generated kernels."""
+    from .runtime import moe as _moe
+
+    return _moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=ws_gate, ws_up=ws_up,
+                ws_down=ws_down, **kw)
+
+
+def route(router_logits, topk: int, *, renormalize: bool = False, experts_spec=None):
+    """Router logits [T, E] (fp32) -> (topk_ids int32 [T, K], topk_weights fp32 [T, K])."""
+    from .runtime import route as _route
+
+    return _route(router_logits, topk, renormalize=renormalize)
+
+
+__all__ = ["MoESpec", "SpecError", "load", "moe", "route", "__version__"]

@@ -1,0 +1,184 @@
+"""Build a variant: plan -> render -> compile (worker processes) -> link -> publish.
+
+Layout of a built variant:
+
+    generated/<variant>/            rendered source + manifest.json (reproducible)
+    generated/<variant>/build/      KERNEL.o/.h/.ptx/.cubin, libmokgen.so, build.json
+
+A build happens in a private temporary directory beside the target and is moved
+into place with one rename, under a per-variant file lock: a failed or interrupted
+build never leaves a half-written variant that a later load would trust.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .. import __version__
+from ..ir import MoESpec
+from ..schedule import Plan, make_plan
+from .render import render, write_tree
+
+LIB_NAME = "libmokgen.so"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def default_out() -> Path:
+    """Where variants live: $MOKGEN_HOME, else the source tree's generated/."""
+    env = os.environ.get("MOKGEN_HOME")
+    return Path(env) if env else REPO_ROOT / "generated"
+
+
+def cuda_home() -> Path:
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if cand and (Path(cand) / "include" / "cuda_runtime.h").exists():
+            return Path(cand)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        root = Path(nvcc).resolve().parent.parent
+        if (root / "include" / "cuda_runtime.h").exists():
+            return root
+    raise BuildError("CUDA toolkit headers not found (cuda_runtime.h): set CUDA_HOME")
+
+
+def dsl_runtime_lib() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or not spec.submodule_search_locations:
+        raise BuildError("nvidia-cutlass-dsl is not installed: pip install 'nvidia-cutlass-dsl[cu13]==4.8.1'")
+    lib = Path(list(spec.submodule_search_locations)[0]) / "cu13" / "lib" / "libcuda_dialect_runtime_static.a"
+    if not lib.exists():
+        raise BuildError(f"CuTe-DSL cu13 runtime library missing: {lib}")
+    return lib
+
+
+def is_built(variant_dir: Path) -> bool:
+    return (variant_dir / "build" / LIB_NAME).exists() and (variant_dir / "build" / "build.json").exists()
+
+
+def is_current(variant_dir: Path, files: dict[str, str]) -> bool:
+    """The variant on disk was built from exactly these rendered files."""
+    try:
+        on_disk = (variant_dir / "manifest.json").read_text()
+        built = json.loads((variant_dir / "build" / "build.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return on_disk == files["manifest.json"] and built.get("manifest") == json.loads(on_disk)["files"]
+
+
+@contextlib.contextmanager
+def _lock(out: Path, variant: str):
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f".{variant}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(src: Path, build: Path, groups: list[list[str]], jobs: int, log) -> None:
+    def run(names):
+        t0 = time.time()
+        p = subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(src), str(build), *names],
+                           capture_output=True, text=True, cwd=str(REPO_ROOT))
+        if p.returncode:
+            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-25:])
+            raise BuildError(f"compiling {', '.join(names)} failed:\n{tail}")
+        return names, time.time() - t0
+
+    done = 0
+    total = sum(len(g) for g in groups)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for names, dt in pool.map(run, groups):
+            done += len(names)
+            log(f"  [{done}/{total}] compiled {', '.join(names)} ({dt:.1f}s)")
+
+
+def _link(build: Path, kernels: list[str]) -> Path:
+    cuda = cuda_home()
+    libdir = next((cuda / d for d in ("lib64", "lib") if (cuda / d / "libcudart.so").exists()), cuda / "lib64")
+    out = build / LIB_NAME
+    cmd = ["gcc", "-shared", "-fPIC", "-O2", f"-I{cuda / 'include'}", f"-I{build}", str(build / "launch.c"),
+           *[str(build / f"{k}.o") for k in kernels], str(dsl_runtime_lib()), f"-L{libdir}", "-lcudart",
+           "-lpthread", "-o", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        raise BuildError(f"linking {out.name} failed:\n{p.stderr.strip()[-2000:]}")
+    return out
+
+
+def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, force: bool = False,
+          compile: bool = True, log=None) -> Path:
+    """Build (or reuse) the variant for `spec`; returns its directory."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    out = Path(out) if out else default_out()
+    plan: Plan = make_plan(spec)
+    files = render(plan)
+    final = out / plan.variant
+    with _lock(out, plan.variant):
+        if not force and is_current(final, files):
+            log(f"{plan.variant}: up to date ({final})")
+            return final
+        if not compile and not force and (final / "manifest.json").exists() and \
+                (final / "manifest.json").read_text() == files["manifest.json"]:
+            log(f"{plan.variant}: source up to date ({final})")
+            return final
+        tmp = out / f".tmp-{plan.variant}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            t0 = time.time()
+            write_tree(files, tmp)
+            log(f"{plan.variant}: rendered {len(files)} files")
+            if compile:
+                build_dir = tmp / "build"
+                build_dir.mkdir()
+                shutil.copy(tmp / "launch.c", build_dir / "launch.c")
+                names = [k.name for k in plan.kernels]
+                jobs = jobs or max(1, min(len(names), os.cpu_count() or 1))
+                # Kernels of one module compile in one worker: it renders and imports once.
+                by_module: dict[str, list[str]] = {}
+                for k in plan.kernels:
+                    by_module.setdefault(k.module, []).append(k.name)
+                log(f"{plan.variant}: compiling {len(names)} kernels for {plan.target['arch']} ({jobs} processes)")
+                _compile(tmp, build_dir, list(by_module.values()), jobs, log)
+                _link(build_dir, names)
+                import importlib.metadata as md
+
+                (build_dir / "build.json").write_text(json.dumps({
+                    "manifest": json.loads(files["manifest.json"])["files"],
+                    "mokgen_version": __version__,
+                    "cute_dsl_version": md.version("nvidia-cutlass-dsl"),
+                    "seconds": round(time.time() - t0, 1),
+                    "kernels": names,
+                }, indent=1, sort_keys=True))
+            _publish(tmp, final)
+            log(f"{plan.variant}: built in {time.time() - t0:.1f}s -> {final}")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Swap the finished tree into place; the old one is removed only afterwards."""
+    old = None
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

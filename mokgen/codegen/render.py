@@ -1,0 +1,80 @@
+"""Plan -> CuTe-DSL source under generated/<variant>/, byte-for-byte reproducible.
+
+The rendered tree holds one Python module per Plan module, the C launch shim and
+manifest.json (spec, plan, template hashes, versions). Nothing time- or
+machine-dependent goes in, so rendering twice gives identical bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import jinja2
+
+from .. import __version__
+from ..schedule import Plan
+from ..schedule.plan import KernelPlan
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
+# The CuTe-DSL release the templates are written against (pyproject pins it).
+CUTE_DSL_VERSION = "4.8.1"
+SHIM_TEMPLATE = "launch.c.j2"
+
+
+def _env() -> jinja2.Environment:
+    if not TEMPLATE_DIR.is_dir():
+        raise FileNotFoundError(f"mokgen templates not found at {TEMPLATE_DIR}; install mokgen from its source tree")
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=False,
+        autoescape=False,
+    )
+
+
+def template_hashes(names) -> dict:
+    return {n: hashlib.sha256((TEMPLATE_DIR / n).read_bytes()).hexdigest() for n in sorted(set(names))}
+
+
+def _context_key(template: str) -> str:
+    # Each template names its Plan entry by a short variable.
+    return {"grouped_gemm.py.j2": "k", "dispatch.py.j2": "d", "combine.py.j2": "c", "route.py.j2": "r"}[template]
+
+
+def _shim_kernel(k: KernelPlan) -> dict:
+    return dict(name=k.name, stage=k.stage, module=k.module, entry=k.entry,
+                args=[dict(name=a.name, symbolic=any(isinstance(d, str) for d in a.shape)) for a in k.args])
+
+
+def render(plan: Plan) -> dict[str, str]:
+    """All files of the variant's source tree: relative path -> text."""
+    env = _env()
+    files: dict[str, str] = {}
+    modules: dict[str, KernelPlan] = {}
+    for k in plan.kernels:
+        modules.setdefault(k.module, k)
+    for module, k in sorted(modules.items()):
+        ctx = {_context_key(k.template): k.params, "version": __version__, "variant": plan.variant}
+        files[f"{module}.py"] = env.get_template(k.template).render(**ctx)
+    files["launch.c"] = env.get_template(SHIM_TEMPLATE).render(
+        kernels=[_shim_kernel(k) for k in plan.kernels], version=__version__, variant=plan.variant)
+    manifest = {
+        "variant": plan.variant,
+        "mokgen_version": __version__,
+        "cute_dsl_version": CUTE_DSL_VERSION,
+        "spec": plan.spec,
+        "plan": plan.to_dict(),
+        "templates": template_hashes([k.template for k in plan.kernels] + [SHIM_TEMPLATE]),
+        "files": {},
+    }
+    manifest["files"] = {p: hashlib.sha256(t.encode()).hexdigest() for p, t in sorted(files.items())}
+    files["manifest.json"] = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    return files
+
+
+def write_tree(files: dict[str, str], root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for rel, text in files.items():
+        (root / rel).write_text(text)

@@ -1,0 +1,137 @@
+"""The stage graph of one MoE layer: what is computed, with symbolic shapes.
+
+The token count T stays a sympy symbol, so one graph (and one build) serves every
+batch size. Stages name their input and output tensors; a tensor is either a graph
+input or the output of an earlier stage. No tiling, no hardware: that is the
+scheduler's business.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+
+from .spec import MoESpec
+
+T = sympy.Symbol("T", integer=True, nonnegative=True)
+
+
+@dataclass(frozen=True)
+class TensorType:
+    name: str
+    shape: tuple  # ints and sympy expressions of T
+    dtype: str  # "bf16" | "f32" | "i32"
+
+    def numel(self):
+        return sympy.prod(self.shape)
+
+    def describe(self) -> str:
+        return f"{self.name}[{', '.join(str(d) for d in self.shape)}]:{self.dtype}"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    kind: str  # "route" | "send" | "gemm" | "reduce"
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    flops: object = 0  # sympy expression of T
+    attrs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Graph:
+    spec: MoESpec
+    tensors: dict[str, TensorType]
+    stages: list[Stage]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def has(self, name: str) -> bool:
+        return any(s.name == name for s in self.stages)
+
+    def flops(self, routed_only: bool = True):
+        kinds = [s for s in self.stages if s.kind == "gemm" and (not routed_only or s.attrs.get("routed"))]
+        return sympy.expand(sum((s.flops for s in kinds), sympy.Integer(0)))
+
+    def check(self) -> None:
+        """Every stage reads only graph inputs or earlier outputs; every output is produced."""
+        known = set(self.inputs)
+        for s in self.stages:
+            missing = [t for t in s.inputs if t not in known]
+            if missing:
+                raise ValueError(f"stage {s.name} reads {missing} before anything produces them")
+            known.update(s.outputs)
+        for o in self.outputs:
+            if o not in known:
+                raise ValueError(f"graph output {o} is never produced")
+
+
+def forward_graph(spec: MoESpec, fused_route: bool = False) -> Graph:
+    """The forward layer of DESIGN.md section 1 as stages.
+
+    route (optional)  logits -> topk_ids, topk_weights
+    send              x, topk_ids -> xs (rows grouped by expert), pos
+    gemm_gateup       xs -> h = silu(xs @ w_gate^T) * (xs @ w_up^T)
+    gemm_down         h -> y = h @ w_down^T
+    shared_* (opt.)   x -> hs -> ys, the dense shared expert
+    reduce            out = bf16(sum_k w[t,k] * y[pos[t,k]] + ys[t])
+    """
+    E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
+    R = T * K  # routed (token, slot) rows
+    tensors = [
+        TensorType("x", (T, H), "bf16"),
+        TensorType("topk_ids", (T, K), "i32"),
+        TensorType("topk_weights", (T, K), "f32"),
+        TensorType("w_gate", (E, I, H), "bf16"),
+        TensorType("w_up", (E, I, H), "bf16"),
+        TensorType("w_down", (E, H, I), "bf16"),
+        TensorType("pos", (T, K), "i32"),
+        TensorType("xs", (R, H), "bf16"),
+        TensorType("h", (R, I), "bf16"),
+        TensorType("y", (R, H), "bf16"),
+        TensorType("out", (T, H), "bf16"),
+    ]
+    inputs = ["x", "topk_ids", "topk_weights", "w_gate", "w_up", "w_down"]
+    stages: list[Stage] = []
+    if fused_route:
+        tensors.append(TensorType("logits", (T, spec.experts), "f32"))
+        inputs = ["x", "logits", "w_gate", "w_up", "w_down"]
+        stages.append(Stage("route", "route", ("logits",), ("topk_ids", "topk_weights"),
+                            attrs={"renormalize": spec.renormalize}))
+    stages += [
+        Stage("send", "send", ("x", "topk_ids"), ("xs", "pos")),
+        Stage("gemm_gateup", "gemm", ("xs", "w_gate", "w_up"), ("h",), flops=4 * R * H * I,
+              attrs={"epilogue": "swiglu", "routed": True}),
+        Stage("gemm_down", "gemm", ("h", "w_down"), ("y",), flops=2 * R * I * H,
+              attrs={"epilogue": "store", "routed": True}),
+    ]
+    reduce_inputs = ["y", "pos", "topk_ids", "topk_weights"]
+    if S:
+        tensors += [
+            TensorType("ws_gate", (S, H), "bf16"),
+            TensorType("ws_up", (S, H), "bf16"),
+            TensorType("ws_down", (H, S), "bf16"),
+            TensorType("hs", (T, S), "bf16"),
+            TensorType("ys", (T, H), "bf16"),
+        ]
+        inputs += ["ws_gate", "ws_up", "ws_down"]
+        stages += [
+            Stage("shared_gateup", "gemm", ("x", "ws_gate", "ws_up"), ("hs",), flops=4 * T * H * S,
+                  attrs={"epilogue": "swiglu", "routed": False}),
+            Stage("shared_down", "gemm", ("hs", "ws_down"), ("ys",), flops=2 * T * S * H,
+                  attrs={"epilogue": "store", "routed": False}),
+        ]
+        reduce_inputs.append("ys")
+    stages.append(Stage("reduce", "reduce", tuple(reduce_inputs), ("out",),
+                        attrs={"order": "k ascending, then shared expert"}))
+    g = Graph(spec, {t.name: t for t in tensors}, stages, tuple(inputs), ("out",) if not fused_route
+              else ("out", "topk_ids", "topk_weights"))
+    g.check()
+    return g

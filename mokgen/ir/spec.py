@@ -1,0 +1,129 @@
+"""MoESpec: the user's description of one MoE layer, validated.
+
+Every illegal value is refused with a one-line message that names the field and
+says what would be legal. The spec is pure data: no torch, no cutlass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+DTYPES = ("bf16",)
+ARCHS = ("sm_90a",)
+TOPOLOGIES = ("single", "nvlink")
+# The grouped GEMMs load K in 64-element (128-byte) steps and the dispatch and
+# combine move 8 elements (16 bytes) per thread: sizes must be multiples of this.
+SIZE_MULTIPLE = 64
+MAX_TOPK = 64
+MAX_EXPERTS = 4096
+MAX_SIZE = 65536
+
+
+class SpecError(ValueError):
+    """An illegal MoESpec value; the message is one line, fit for a CLI."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    experts: int
+    topk: int
+    hidden: int
+    intermediate: int
+    shared_intermediate: int = 0  # 0: no shared expert
+    dtype: str = "bf16"
+    world_size: int = 1
+    topology: str = "single"
+    arch: str = "sm_90a"
+    renormalize: bool = False  # router: renormalise the top-k weights to sum to 1
+
+    def __post_init__(self):
+        validate(self)
+
+    # ---- derived ----------------------------------------------------------------
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.world_size
+
+    @property
+    def variant(self) -> str:
+        """A readable name that identifies the generated code for this spec."""
+        parts = [f"e{self.experts}", f"k{self.topk}", f"h{self.hidden}", f"i{self.intermediate}"]
+        if self.shared_intermediate:
+            parts.append(f"s{self.shared_intermediate}")
+        parts.append(self.dtype)
+        if self.world_size > 1:
+            parts.append(f"w{self.world_size}{self.topology}")
+        if self.renormalize:
+            parts.append("rn")
+        parts.append(self.arch.replace("_", ""))
+        return "_".join(parts)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoESpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SpecError(f"unknown spec field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _int(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise SpecError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+def _size(name: str, value, allow_zero: bool = False) -> None:
+    _int(name, value, 0 if allow_zero else SIZE_MULTIPLE, MAX_SIZE)
+    if value % SIZE_MULTIPLE:
+        raise SpecError(
+            f"{name}={value} is not a multiple of {SIZE_MULTIPLE}: the GEMM tiles load "
+            f"{SIZE_MULTIPLE}-element K steps (try {value - value % SIZE_MULTIPLE or SIZE_MULTIPLE} "
+            f"or {value + SIZE_MULTIPLE - value % SIZE_MULTIPLE})"
+        )
+
+
+def validate(s: MoESpec) -> None:
+    _int("experts", s.experts, 1, MAX_EXPERTS)
+    _int("topk", s.topk, 1, MAX_TOPK)
+    if s.topk > s.experts:
+        raise SpecError(f"topk={s.topk} exceeds experts={s.experts}: a token cannot pick more experts than exist")
+    _size("hidden", s.hidden)
+    _size("intermediate", s.intermediate)
+    _size("shared_intermediate", s.shared_intermediate, allow_zero=True)
+    if s.dtype not in DTYPES:
+        raise SpecError(f"unknown dtype {s.dtype!r}; supported: {', '.join(DTYPES)}")
+    if s.arch not in ARCHS:
+        raise SpecError(f"unknown or unsupported arch {s.arch!r}; supported: {', '.join(ARCHS)}")
+    if s.topology not in TOPOLOGIES:
+        raise SpecError(f"unknown topology {s.topology!r}; supported: {', '.join(TOPOLOGIES)}")
+    _int("world_size", s.world_size, 1, 1024)
+    if s.world_size == 1 and s.topology != "single":
+        raise SpecError(f"topology {s.topology!r} needs world_size > 1; use topology 'single' for one GPU")
+    if s.world_size > 1 and s.topology == "single":
+        raise SpecError(f"world_size={s.world_size} needs a multi-GPU topology such as 'nvlink'")
+    if s.experts % s.world_size:
+        raise SpecError(
+            f"experts={s.experts} is not divisible by world_size={s.world_size}: each GPU must own the same number of experts"
+        )
+    if not isinstance(s.renormalize, bool):
+        raise SpecError(f"renormalize must be true or false, got {s.renormalize!r}")
+
+
+# Named layers users ask for by name. Sizes are the published model configs.
+PRESETS: dict[str, MoESpec] = {
+    "olmoe": MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024),
+    "qwen3-30b-a3b": MoESpec(experts=128, topk=8, hidden=2048, intermediate=768, renormalize=True),
+    "deepseek-v3": MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048, shared_intermediate=2048,
+                           renormalize=True),
+    "mixtral-8x7b": MoESpec(experts=8, topk=2, hidden=4096, intermediate=14336, renormalize=True),
+}
+DEFAULT_PRESET = "olmoe"

@@ -1,0 +1,116 @@
+"""mokgen runtime: built variants as torch ops (needs torch; no jinja2, no compiler
+when the compiled artifacts exist)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..ir import MoESpec
+from .checks import InputError, check_ids_in_range, check_moe_inputs
+from .library import LaunchError
+from .variant import Variant, VariantNotBuilt
+
+_LOADED: dict[str, Variant] = {}
+
+
+def variants_root() -> Path:
+    env = os.environ.get("MOKGEN_HOME")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "generated"
+
+
+def _can_compile() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("cutlass") is not None or importlib.util.find_spec("nvidia_cutlass_dsl") is not None
+
+
+def load(spec_or_path, *, build: bool = True) -> Variant:
+    """A Variant from a MoESpec (built on first use where CuTe-DSL is installed) or a variant directory."""
+    if isinstance(spec_or_path, MoESpec):
+        path = variants_root() / spec_or_path.variant
+        if build and _can_compile():
+            from ..codegen import build as build_variant, is_built
+
+            if not is_built(path):
+                build_variant(spec_or_path, variants_root())
+    else:
+        path = Path(spec_or_path)
+        if not path.is_dir():
+            candidate = variants_root() / str(spec_or_path)
+            if candidate.is_dir():
+                path = candidate
+    key = str(path.resolve())
+    if key not in _LOADED:
+        if not (path / "manifest.json").exists():
+            raise VariantNotBuilt(
+                f"variant not found at {path}; build it with `mokgen build` (needs nvidia-cutlass-dsl)")
+        _LOADED[key] = Variant(path)
+    return _LOADED[key]
+
+
+def find_variant(E, K, H, I, S) -> Variant:
+    """The variant serving these shapes: an existing build whose spec matches, else a new build."""
+    root = variants_root()
+    want = dict(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=1)
+    for key, v in _LOADED.items():
+        if all(v.spec.to_dict()[f] == val for f, val in want.items()):
+            return v
+    if root.is_dir():
+        import json
+
+        for m in sorted(root.glob("*/manifest.json")):
+            spec = json.loads(m.read_text())["spec"]
+            if all(spec[f] == val for f, val in want.items()) and (m.parent / "build" / "libmokgen.so").exists():
+                return load(m.parent)
+    return load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S))
+
+
+def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
+        check_ids: bool = True):
+    """out[t] = bf16(sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) + shared(x)[t]).
+
+    Checks every input before any launch. check_ids reads the ids back to the host
+    (a synchronisation); it is skipped during CUDA graph capture.
+    """
+    if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
+        topk_ids = topk_ids.to(torch.int32)
+    E, K, H, I, S = check_moe_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    try:
+        v = find_variant(E, K, H, I, S)
+    except Exception as e:  # spec errors name the offending size
+        if e.__class__.__name__ == "SpecError":
+            raise InputError(f"these shapes cannot be generated: {e}") from None
+        raise
+    if check_ids:
+        check_ids_in_range(topk_ids, E)
+    return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+
+
+def route(router_logits, topk: int, *, renormalize: bool = False, variant: Variant | None = None):
+    """Router logits [T, E] fp32 -> (topk_ids int32, topk_weights fp32), the generated route kernel."""
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
+        raise InputError("router_logits must be a 2-d tensor [T, E]")
+    if router_logits.dtype != torch.float32:
+        raise InputError(f"router_logits must be torch.float32, got {router_logits.dtype}")
+    if not router_logits.is_cuda:
+        raise InputError(f"router_logits must be on a CUDA device, got {router_logits.device}")
+    if not router_logits.is_contiguous():
+        raise InputError("router_logits must be contiguous (call .contiguous())")
+    E = router_logits.shape[1]
+    if variant is None:
+        from ..ir import SpecError
+
+        try:
+            spec = MoESpec(experts=E, topk=topk, hidden=64, intermediate=64, renormalize=renormalize)
+        except SpecError as e:
+            raise InputError(str(e)) from None
+        variant = load(spec)
+    elif variant.spec.experts != E or variant.spec.topk != topk:
+        raise InputError(f"variant {variant.name} routes over {variant.spec.experts} experts, top-"
+                         f"{variant.spec.topk}; got E={E}, topk={topk}")
+    return variant.ops.route(router_logits)
+
+
+__all__ = ["InputError", "LaunchError", "Variant", "VariantNotBuilt", "load", "moe", "route", "find_variant"]

@@ -1,0 +1,87 @@
+"""ctypes access to a built variant's libmokgen.so: one Launcher per kernel.
+
+The library's C shim gives every kernel the same entry point
+(`mokgen_K_launch(void **data, const int32_t *dyn, void *stream)`), so this module
+needs no per-kernel code, no CuTe-DSL and no compiler.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from pathlib import Path
+
+import torch
+
+
+class LaunchError(RuntimeError):
+    """A kernel launch returned a CUDA error."""
+
+
+def _preload_cudart() -> None:
+    """Make libcudart.so.13 resolvable: PyTorch's CUDA build ships it in its nvidia/ packages."""
+    roots = [Path(torch.__file__).parent.parent / "nvidia"]
+    for root in roots:
+        for pat in ("cu13/lib/libcudart.so.13*", "cuda_runtime/lib/libcudart.so.13*"):
+            for lib in sorted(glob.glob(str(root / pat))):
+                try:
+                    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+                    return
+                except OSError:
+                    pass
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        _preload_cudart()
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError as e:
+            raise LaunchError(f"cannot load {path}: {e}") from None
+
+
+class Launcher:
+    """Launches one compiled kernel with torch tensors bound to its arguments."""
+
+    def __init__(self, lib: ctypes.CDLL, kernel: dict):
+        self.name = kernel["name"]
+        self.args = kernel["args"]
+        self._fn = getattr(lib, f"mokgen_{self.name}_launch")
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p]
+        self._err = lib.mokgen_error_string
+        self._err.restype = ctypes.c_char_p
+        self._err.argtypes = [ctypes.c_int]
+        # (argument index, dimension) of every symbolic extent, in the shim's order.
+        self._dyn = [(i, d) for i, a in enumerate(self.args) for d, s in enumerate(a["shape"]) if isinstance(s, str)]
+        self._static = [(i, d, s) for i, a in enumerate(self.args) for d, s in enumerate(a["shape"])
+                        if not isinstance(s, str)]
+
+    def check(self, tensors) -> None:
+        """Shape/contiguity check of the bound tensors (cheap, host-only)."""
+        if len(tensors) != len(self.args):
+            raise LaunchError(f"{self.name}: {len(tensors)} tensors for {len(self.args)} arguments")
+        for i, d, s in self._static:
+            if tensors[i].shape[d] != s:
+                raise LaunchError(f"{self.name}: argument {self.args[i]['name']} has extent "
+                                  f"{tensors[i].shape[d]} in dim {d}, the kernel was built for {s}")
+        for t, a in zip(tensors, self.args):
+            if t.dim() != len(a["shape"]) or not t.is_contiguous():
+                raise LaunchError(f"{self.name}: argument {a['name']} must be a contiguous "
+                                  f"{len(a['shape'])}-d tensor, got shape {tuple(t.shape)}")
+
+    def __call__(self, tensors, stream: int) -> None:
+        data = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        dyn = (ctypes.c_int32 * max(1, len(self._dyn)))(*[tensors[i].shape[d] for i, d in self._dyn])
+        err = self._fn(data, dyn, ctypes.c_void_p(stream))
+        if err:
+            raise LaunchError(f"kernel {self.name} failed to launch: {self._err(err).decode()} (cudaError {err})")
+
+
+def cuda_stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+__all__ = ["LaunchError", "Launcher", "open_library", "cuda_stream", "os"]

@@ -1,0 +1,154 @@
+"""A built variant as torch ops: the Plan's steps run through the compiled kernels.
+
+The runtime interprets the Plan: workspace buffers are allocated from their
+symbolic shapes at the call's T, and each entry point (forward, route) launches
+its kernels in the Plan's order on the current stream. No host synchronisation,
+so a call can be captured in a CUDA graph.
+"""
+
+
+import functools
+import json
+from pathlib import Path
+from typing import Optional
+
+import sympy
+import torch
+from torch import Tensor
+
+from ..ir import MoESpec
+from ..ir.graph import T as T_SYM
+from .library import Launcher, cuda_stream, open_library
+
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
+LIB_NAME = "libmokgen.so"
+
+
+class VariantNotBuilt(RuntimeError):
+    pass
+
+
+class Variant:
+    def __init__(self, path: "Path"):
+        self.path = Path(path)
+        manifest_path = self.path / "manifest.json"
+        if not manifest_path.exists():
+            raise VariantNotBuilt(f"{self.path} is not a mokgen variant (no manifest.json)")
+        self.manifest = json.loads(manifest_path.read_text())
+        self.plan = self.manifest["plan"]
+        self.spec = MoESpec.from_dict(self.manifest["spec"])
+        self.name = self.manifest["variant"]
+        lib = self.path / "build" / LIB_NAME
+        if not lib.exists():
+            raise VariantNotBuilt(
+                f"variant {self.name} has no compiled kernels ({lib} missing): run "
+                f"`mokgen build --from-variant {self.path}` on a machine with nvidia-cutlass-dsl"
+            )
+        self._lib = open_library(lib)
+        self.kernels = {k["name"]: k for k in self.plan["kernels"]}
+        self.launchers = {name: Launcher(self._lib, k) for name, k in self.kernels.items()}
+        self._buffer_fns = [
+            (b["name"], DTYPES[b["dtype"]], [sympy.lambdify(T_SYM, sympy.sympify(s, locals={"T": T_SYM}), "math")
+                                              for s in b["shape"]], b["init"])
+            for b in self.plan["buffers"]
+        ]
+        self.ops = _register_ops(self)
+
+    # ---- buffers ----------------------------------------------------------------
+    @functools.lru_cache(maxsize=64)
+    def buffer_shapes(self, tokens: int) -> tuple:
+        return tuple((name, dt, tuple(int(f(tokens)) for f in fns), init) for name, dt, fns, init in self._buffer_fns)
+
+    # Debug aid for the golden tests: fill every uninitialised workspace buffer with
+    # NaN (floats) or -1 (ints) so that a read of anything not written shows up.
+    poison = False
+
+    def _workspace(self, tokens: int, device) -> dict:
+        ws = {}
+        for name, dt, shape, init in self.buffer_shapes(tokens):
+            if init == "zeros":
+                ws[name] = torch.zeros(shape, dtype=dt, device=device)
+            elif self.poison:
+                ws[name] = torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=device)
+            else:
+                ws[name] = torch.empty(shape, dtype=dt, device=device)
+        return ws
+
+    def run(self, entry: str, env: dict, device) -> None:
+        stream = cuda_stream(device)
+        for name in self.plan["steps"][entry]:
+            k = self.kernels[name]
+            self.launchers[name]([env[a["tensor"]] for a in k["args"]], stream)
+
+    # ---- entry points (no checks here: the public functions check) ---------------
+    def forward(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
+                out=None):
+        tokens = x.shape[0]
+        if out is None:
+            out = torch.empty_like(x)
+        if tokens == 0:
+            return out
+        with torch.cuda.device(x.device):
+            env = self._workspace(tokens, x.device)
+            env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up,
+                       w_down=w_down, out=out)
+            if ws_gate is not None:
+                env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
+            self.run("forward", env, x.device)
+        return out
+
+    def route(self, logits):
+        tokens = logits.shape[0]
+        K = self.spec.topk
+        ids = torch.empty(tokens, K, dtype=torch.int32, device=logits.device)
+        weights = torch.empty(tokens, K, dtype=torch.float32, device=logits.device)
+        if tokens:
+            with torch.cuda.device(logits.device):
+                self.run("route", dict(logits=logits, topk_ids=ids, topk_weights=weights), logits.device)
+        return ids, weights
+
+
+_OPS: dict[str, object] = {}
+
+
+def _register_ops(v: Variant):
+    """torch.library custom ops `mokgen::<variant>_forward` and `mokgen::<variant>_route`,
+    with fake (meta) implementations for torch.compile. Registered once per process."""
+    if v.name in _OPS:
+        ops = _OPS[v.name]
+        ops.variant = v
+        return ops
+
+
+    class Ops:
+        variant = v
+
+    @torch.library.custom_op(f"mokgen::{v.name}_forward", mutates_args=())
+    def forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None,
+                ws_down: Optional[Tensor] = None) -> Tensor:
+        return Ops.variant.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+
+    @forward.register_fake
+    def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
+        return torch.empty_like(x)
+
+    def _no_backward(ctx, grad):
+        raise NotImplementedError("mokgen generates the forward layer only so far; the backward is not built yet")
+
+    forward.register_autograd(_no_backward)
+
+    @torch.library.custom_op(f"mokgen::{v.name}_route", mutates_args=())
+    def route(logits: Tensor) -> tuple[Tensor, Tensor]:
+        return Ops.variant.route(logits)
+
+    @route.register_fake
+    def _(logits):
+        K = Ops.variant.spec.topk
+        return (logits.new_empty(logits.shape[0], K, dtype=torch.int32),
+                logits.new_empty(logits.shape[0], K, dtype=torch.float32))
+
+    Ops.forward = forward
+    Ops.route = route
+    _OPS[v.name] = Ops
+    return Ops

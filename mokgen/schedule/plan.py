@@ -1,0 +1,317 @@
+"""The Plan: every decision between the stage graph and the generated code.
+
+A Plan is plain data (JSON round-trip, deterministic for a given spec and target):
+tile shapes, stages, warp roles, SM roles, the launch order, the reduction order,
+the workspace buffers and (for several GPUs) the queues. Each decision is made in
+one function below, from the spec and the target's numbers, and is recorded with
+the reason in `decisions`. Templates read their numbers from here and nowhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+import sympy
+
+from .. import __version__
+from ..ir import Graph, MoESpec, forward_graph
+from ..ir.graph import T
+from .target import Target, target_for
+
+PLAN_FORMAT = 1
+
+# Hopper wgmma: a warpgroup (128 threads) owns 64 rows of an MMA tile.
+WARPGROUP_THREADS = 128
+WGMMA_ROWS = 64
+# bf16 K step of one TMA box row: 64 elements = 128 bytes, the 128-byte swizzle width.
+TILE_K = 64
+# Shared memory kept back for mbarriers and alignment padding.
+SMEM_RESERVE = 2048
+# Elements per 16-byte vector access in the SIMT kernels (bf16).
+VEC = 8
+BYTES = {"bf16": 2, "f32": 4, "i32": 4}
+
+
+@dataclass
+class KernelArg:
+    name: str  # parameter name of the compiled entry point
+    tensor: str  # graph tensor or workspace buffer bound to it
+    dtype: str
+    shape: list  # ints and symbol names ("T", "M", ...)
+
+
+@dataclass
+class KernelPlan:
+    name: str
+    stage: str
+    module: str  # generated/<variant>/<module>.py
+    template: str
+    entry: str
+    params: dict
+    args: list
+    grid: str
+    block: int
+    warp_roles: list
+    smem_bytes: int = 0
+
+
+@dataclass
+class Buffer:
+    name: str
+    dtype: str
+    shape: list  # strings: sympy expressions of T
+    init: str = "none"  # "none" | "zeros"
+
+
+@dataclass
+class Plan:
+    format: int
+    mokgen_version: str
+    variant: str
+    spec: dict
+    target: dict
+    row_tile: int
+    sm_roles: dict
+    queues: list
+    reduction_order: str
+    buffers: list
+    kernels: list
+    steps: dict  # entry point -> ordered kernel names
+    flops: str
+    decisions: list = field(default_factory=list)
+
+    # ---- (de)serialisation -------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        d = dict(d)
+        d["buffers"] = [Buffer(**b) for b in d["buffers"]]
+        ks = []
+        for k in d["kernels"]:
+            k = dict(k)
+            k["args"] = [KernelArg(**a) for a in k["args"]]
+            ks.append(KernelPlan(**k))
+        d["kernels"] = ks
+        return cls(**d)
+
+    def kernel(self, name: str) -> KernelPlan:
+        for k in self.kernels:
+            if k.name == name:
+                return k
+        raise KeyError(name)
+
+    def moe_spec(self) -> MoESpec:
+        return MoESpec.from_dict(self.spec)
+
+
+class PlanError(ValueError):
+    """The spec is legal but this target cannot run it (one-line message)."""
+
+
+# ---- decisions ---------------------------------------------------------------------
+
+def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target) -> dict:
+    """Tile shape, pipeline depth and epilogue tiling of one grouped GEMM.
+
+    M tile 128 = two consumer warpgroups of 64 rows. The accumulator budget is
+    128 fp32 registers per thread (of 255): SwiGLU keeps two accumulators (gate and
+    up), so its N tile is half of a plain GEMM's. N tiles that divide N avoid
+    partial tiles; stages fill the shared memory left after the reserve.
+    """
+    tile_m = 2 * WGMMA_ROWS
+    threads = (tile_m // WGMMA_ROWS) * WARPGROUP_THREADS
+    num_b = 2 if epilogue == "swiglu" else 1
+    acc_budget = 128 * threads  # fp32 accumulators the CTA may hold
+    candidates = [n for n in (256, 128, 64) if tile_m * n * num_b <= acc_budget]
+    tile_n = next((n for n in candidates if n_size % n == 0), candidates[-1])
+    stage_bytes = (tile_m + num_b * tile_n) * TILE_K * 2
+    stages = (target.smem_per_block - SMEM_RESERVE) // stage_bytes
+    stages = max(2, min(stages, 8))
+    epi_tile = (tile_m, 32)
+    epi_stages = 4
+    if epi_tile[0] * epi_tile[1] * epi_stages > tile_m * TILE_K * stages:
+        raise PlanError("epilogue staging does not fit in the A stages it reuses")
+    smem = stages * stage_bytes + stages * 16
+    if smem > target.smem_per_block:
+        raise PlanError(f"GEMM needs {smem} B of shared memory, {target.name} offers {target.smem_per_block}")
+    return dict(tile_m=tile_m, tile_n=tile_n, tile_k=TILE_K, stages=stages, epi_tile=list(epi_tile),
+                epi_stages=epi_stages, mma_warpgroups=tile_m // WGMMA_ROWS, threads=threads,
+                smem_bytes=smem)
+
+
+def simt_threads(columns: int, target: Target, cap: int = 256) -> int:
+    """Threads of a row-copying CTA: one thread per 16-byte vector, whole warps, capped."""
+    vecs = max(1, columns // VEC)
+    return min(cap, target.max_threads_per_block, ((vecs + 31) // 32) * 32)
+
+
+def _expr(e) -> str:
+    return str(sympy.simplify(e))
+
+
+def make_plan(spec: MoESpec, target: Target | None = None) -> Plan:
+    target = target or target_for(spec.arch)
+    if spec.world_size > 1:
+        raise PlanError(
+            f"world_size={spec.world_size}: expert parallelism is not generated yet; build with world_size 1"
+        )
+    graph: Graph = forward_graph(spec)
+    E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
+    decisions: list[str] = []
+    kernels: list[KernelPlan] = []
+
+    gateup = choose_gemm_tiling(I, H, "swiglu", target)
+    down = choose_gemm_tiling(H, I, "store", target)
+    row_tile = gateup["tile_m"]
+    if down["tile_m"] != row_tile:
+        raise PlanError("both routed GEMMs must share the dispatch row tile")
+    decisions.append(
+        f"row tile {row_tile}: each expert's rows start on a multiple of the GEMM M tile, "
+        f"so every M tile has one expert (at most {E} tiles of padding)"
+    )
+    m_tiles = sympy.ceiling(T * K / row_tile) + E
+    rows = m_tiles * row_tile
+    decisions.append(f"routed M tiles bounded by ceil(T*K/{row_tile}) + E = {_expr(m_tiles)}: "
+                     "sized on the host from T alone, no host sync")
+
+    buffers = [
+        Buffer("counts", "i32", [str(E)]),
+        Buffer("pos", "i32", ["T", str(K)]),
+        Buffer("tile_expert", "i32", [_expr(m_tiles)]),
+        Buffer("xs", "bf16", [_expr(rows), str(H)]),
+        Buffer("h", "bf16", [_expr(rows), str(I)]),
+        Buffer("y", "bf16", [_expr(rows), str(H)]),
+    ]
+
+    # route (its own entry point)
+    route_threads = 128
+    kernels.append(KernelPlan(
+        name="route", stage="route", module="route", template="route.py.j2", entry="main",
+        params=dict(experts=spec.experts, topk=K, threads=route_threads, renormalize=spec.renormalize),
+        args=[KernelArg("logits", "logits", "f32", ["T", spec.experts]),
+              KernelArg("ids", "topk_ids", "i32", ["T", K]),
+              KernelArg("weights", "topk_weights", "f32", ["T", K])],
+        grid=f"(ceil(T/{route_threads}),)", block=route_threads,
+        warp_roles=["all warps: one token per thread"]))
+
+    # send: count, scatter, gather
+    dispatch_threads = min(1024, target.max_threads_per_block)
+    gather_threads = simt_threads(H, target)
+    dparams = dict(experts=E, topk=K, hidden=H, tile_m=row_tile, threads=dispatch_threads,
+                   gather_threads=gather_threads, vec=VEC)
+    kernels += [
+        KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
+                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E])],
+                   grid=f"({E},)", block=dispatch_threads, warp_roles=["all warps: count one expert's pairs"]),
+        KernelPlan("dispatch_scatter", "send", "dispatch", "dispatch.py.j2", "scatter", dparams,
+                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
+                    KernelArg("pos", "pos", "i32", ["T", K]),
+                    KernelArg("tile_expert", "tile_expert", "i32", ["MT"])],
+                   grid=f"({E},)", block=dispatch_threads,
+                   warp_roles=["all warps: stable compaction of one expert's pairs (ballot + prefix)"]),
+        KernelPlan("dispatch_gather", "send", "dispatch", "dispatch.py.j2", "gather", dparams,
+                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("x", "x", "bf16", ["T", H]),
+                    KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("xs", "xs", "bf16", ["M", H])],
+                   grid="(T*K,)", block=gather_threads, warp_roles=["all warps: copy one token row"]),
+    ]
+    decisions.append(f"dispatch: one CTA of {dispatch_threads} threads per expert; ballot-based stable "
+                     "compaction keeps (token, slot) order, so positions are deterministic")
+
+    def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc):
+        tl = choose_gemm_tiling(n, k, epilogue, target)
+        args = [KernelArg("a", a, "bf16", [m_sym, k])]
+        bshape = [groups, n, k]
+        args.append(KernelArg("b0", b[0], "bf16", bshape))
+        if epilogue == "swiglu":
+            args.append(KernelArg("b1", b[1], "bf16", bshape))
+        args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
+                 KernelArg("c", c, "bf16", [m_sym, n])]
+        params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue,
+                      class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
+        smem = params.pop("smem_bytes")
+        decisions.append(
+            f"{name}: tile {tl['tile_m']}x{tl['tile_n']}x{tl['tile_k']}, {tl['stages']} stages "
+            f"({smem // 1024} KiB smem), {tl['mma_warpgroups']} MMA warpgroups"
+        )
+        return KernelPlan(name, stage, name, "grouped_gemm.py.j2", "main", params, args,
+                          grid=f"({tiles_sym}, ceil({n}/{tl['tile_n']}))", block=tl["threads"],
+                          warp_roles=[f"warpgroups 0..{tl['mma_warpgroups'] - 1}: wgmma consumers",
+                                      "warp 0 also: TMA producer", "all: epilogue (stmatrix + TMA store)"],
+                          smem_bytes=smem)
+
+    kernels.append(gemm("gemm_gateup", "gemm_gateup", "xs", ("w_gate", "w_up"), "h", I, H, "swiglu",
+                        "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue."))
+    kernels.append(gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
+                        "tile_expert", "M", "MT", E, "Routed down projection."))
+    forward = ["dispatch_count", "dispatch_scatter", "dispatch_gather", "gemm_gateup", "gemm_down"]
+    if S:
+        s_tiles = sympy.ceiling(T / row_tile)
+        buffers += [Buffer("shared_tiles", "i32", [_expr(s_tiles)], init="zeros"),
+                    Buffer("hs", "bf16", ["T", str(S)]), Buffer("ys", "bf16", ["T", str(H)])]
+        kernels.append(gemm("shared_gateup", "shared_gateup", "x", ("ws_gate", "ws_up"), "hs", S, H, "swiglu",
+                            "shared_tiles", "T", "ST", 1, "Shared expert gate/up projection (every token)."))
+        kernels.append(gemm("shared_down", "shared_down", "hs", ("ws_down",), "ys", H, S, "store",
+                            "shared_tiles", "T", "ST", 1, "Shared expert down projection (every token)."))
+        forward += ["shared_gateup", "shared_down"]
+        decisions.append("shared expert: the same grouped GEMM with one group over all T tokens")
+
+    combine_threads = simt_threads(H, target)
+    cargs = [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("weights", "topk_weights", "f32", ["T", K]),
+             KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("y", "y", "bf16", ["M", H])]
+    if S:
+        cargs.append(KernelArg("ys", "ys", "bf16", ["T", H]))
+    cargs.append(KernelArg("out", "out", "bf16", ["T", H]))
+    reduction_order = "out[t] = bf16(sum over k = 0..K-1 in order of w[t,k]*y[t,k] in fp32" + (
+        ", then + shared(x)[t])" if S else ")")
+    kernels.append(KernelPlan(
+        "combine", "reduce", "combine", "combine.py.j2", "main",
+        dict(experts=E, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
+        cargs, grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
+    forward.append("combine")
+    decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
+
+    plan = Plan(
+        format=PLAN_FORMAT,
+        mokgen_version=__version__,
+        variant=spec.variant,
+        spec=spec.to_dict(),
+        target=target.to_dict(),
+        row_tile=row_tile,
+        sm_roles={"compute": target.sms, "communication": 0},
+        queues=[],
+        reduction_order=reduction_order,
+        buffers=buffers,
+        kernels=kernels,
+        steps={"forward": forward, "route": ["route"]},
+        flops=str(graph.flops()),
+        decisions=decisions,
+    )
+    check_plan(plan, graph)
+    return plan
+
+
+def check_plan(plan: Plan, graph: Graph) -> None:
+    """Invariants every Plan keeps (also asserted by the tests)."""
+    names = [k.name for k in plan.kernels]
+    if len(set(names)) != len(names):
+        raise PlanError("duplicate kernel names")
+    buffers = {b.name for b in plan.buffers}
+    for entry, steps in plan.steps.items():
+        for s in steps:
+            k = plan.kernel(s)
+            for a in k.args:
+                if a.tensor not in buffers and a.tensor not in graph.tensors and a.tensor != "logits":
+                    raise PlanError(f"kernel {k.name} binds {a.name} to unknown tensor {a.tensor}")
+                if sum(1 for d in a.shape if isinstance(d, str)) > 1:
+                    raise PlanError(f"kernel {k.name} arg {a.name}: at most one symbolic dimension")
+    for k in plan.kernels:
+        if k.block > 1024 or k.block % 32:
+            raise PlanError(f"kernel {k.name}: block of {k.block} threads")
+        if k.smem_bytes > plan.target["smem_per_block"]:
+            raise PlanError(f"kernel {k.name}: {k.smem_bytes} B of shared memory")

@@ -1,0 +1,49 @@
+"""The machines mokgen plans for: numbers read off the hardware or measured on it.
+
+Datasheet numbers are leads; the measured ones (DESIGN.md section 4) are what the
+cost model uses. One record per arch; nothing else in mokgen hard-codes them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    arch: str
+    sms: int
+    smem_per_block: int  # bytes a CTA may use (opt-in maximum)
+    max_threads_per_block: int
+    max_regs_per_thread: int
+    # measured ceilings (H200, torch 2.11)
+    dense_bf16_tflops: float  # torch 8192^3
+    gemm_ceiling_tflops: float  # CuTe-DSL Hopper persistent GEMM, the practical ceiling
+    copy_gbs: float  # device-to-device copy, bytes read + written
+    nvlink_peer_gbs: float  # one peer, symmetric-memory copy
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+H200 = Target(
+    name="h200",
+    arch="sm_90a",
+    sms=132,
+    smem_per_block=227 * 1024,
+    max_threads_per_block=1024,
+    max_regs_per_thread=255,
+    dense_bf16_tflops=701.0,
+    gemm_ceiling_tflops=916.0,
+    copy_gbs=4245.0,
+    nvlink_peer_gbs=373.0,
+)
+
+TARGETS = {"sm_90a": H200}
+
+
+def target_for(arch: str) -> Target:
+    try:
+        return TARGETS[arch]
+    except KeyError:
+        raise ValueError(f"no target description for arch {arch!r}; known: {', '.join(TARGETS)}") from None
