@@ -4,8 +4,6 @@ Fresh random inputs every run; uniform and skewed routing (empty experts, one ho
 expert); odd token counts; every workspace buffer and the output poisoned with NaN
 before each launch.
 """
-import math
-
 import pytest
 
 from mokgen.ir import MoESpec
@@ -31,26 +29,9 @@ def spec_of(shape):
 
 
 def make_inputs(shape, T, routing, gen):
-    E, K, H, I, S = shape
-    dev = "cuda"
-    x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
-    logits = torch.randn(T, E, device=dev, generator=gen)
-    if routing == "skewed":
-        # Half the experts never chosen, expert 3 chosen by every token.
-        logits[:, E // 2:] = -1e4
-        logits[:, 3] = 1e4
-    probs = torch.softmax(logits, -1)
-    w, ids = torch.topk(probs, K, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).float()
-    wg = (torch.randn(E, I, H, device=dev, generator=gen) / math.sqrt(H)).to(torch.bfloat16)
-    wu = (torch.randn(E, I, H, device=dev, generator=gen) / math.sqrt(H)).to(torch.bfloat16)
-    wd = (torch.randn(E, H, I, device=dev, generator=gen) / math.sqrt(I)).to(torch.bfloat16)
-    shared = (None, None, None)
-    if S:
-        shared = ((torch.randn(S, H, device=dev, generator=gen) / math.sqrt(H)).to(torch.bfloat16),
-                  (torch.randn(S, H, device=dev, generator=gen) / math.sqrt(H)).to(torch.bfloat16),
-                  (torch.randn(H, S, device=dev, generator=gen) / math.sqrt(S)).to(torch.bfloat16))
-    return x, ids.to(torch.int32).contiguous(), w.contiguous(), wg, wu, wd, shared
+    from mokgen.verify import make_inputs as mk
+
+    return mk(spec_of(shape), T, routing, gen)
 
 
 @pytest.fixture(scope="module")
@@ -62,33 +43,16 @@ def gen():
     return g
 
 
-def run_poisoned(variant, inputs):
-    x, ids, w, wg, wu, wd, (sg, su, sd) = inputs
-    variant.poison = True
-    out = torch.full_like(x, float("nan"))
-    try:
-        variant.forward(x, ids, w, wg, wu, wd, sg, su, sd, out=out)
-    finally:
-        variant.poison = False
-    torch.cuda.synchronize()
-    return out
-
-
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 @pytest.mark.parametrize("T", TOKENS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
 def test_forward_golden(shape, T, routing, gen):
     import mokgen
-    from mokgen.reference import moe_reference, rel_error
+    from mokgen.verify import check_forward
 
-    v = mokgen.load(spec_of(shape))
-    inputs = make_inputs(shape, T, routing, gen)
-    out = run_poisoned(v, inputs)
-    x, ids, w, wg, wu, wd, (sg, su, sd) = inputs
-    ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd)
-    err = rel_error(out, ref)
-    assert not torch.isnan(out).any(), "unwritten or NaN output rows"
-    assert err <= TOL, f"relative error {err:.3e} > {TOL}"
+    r = check_forward(mokgen.load(spec_of(shape)), T, routing, gen)
+    assert not r.unwritten, "unwritten or NaN output rows"
+    assert r.rel_error <= TOL, f"relative error {r.rel_error:.3e} > {TOL}"
 
 
 def test_public_api_matches_variant(gen):

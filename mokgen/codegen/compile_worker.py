@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,8 +32,10 @@ def compile_kernels(variant_dir: Path, build_dir: Path, names: list[str]) -> Non
     plan = manifest["plan"]
     os.environ["CUTE_DSL_ARCH"] = plan["target"]["arch"]
     build_dir.mkdir(parents=True, exist_ok=True)
-    # --keep-ptx/--keep-cubin write into the working directory as of `import cutlass`.
-    os.chdir(build_dir)
+    # --keep-ptx/--keep-cubin write into the working directory as of `import cutlass`;
+    # a private scratch directory keeps parallel workers' dumps apart.
+    scratch = Path(tempfile.mkdtemp(prefix=".dump-", dir=build_dir))
+    os.chdir(scratch)
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -67,9 +71,11 @@ def compile_kernels(variant_dir: Path, build_dir: Path, names: list[str]) -> Non
         compiled.export_to_c(str(build_dir), name, f"mokgen_{name}")
         for f in sorted(set(os.listdir(".")) - before):
             for ext in (".ptx", ".cubin"):
-                if f.endswith(ext) and not f.startswith(name + "."):
-                    os.replace(f, f"{name}{ext}")
+                if f.endswith(ext):
+                    os.replace(f, build_dir / f"{name}{ext}")
         print(f"compiled {name} in {time.time() - t0:.1f}s", flush=True)
+    os.chdir(build_dir)
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,130 @@
+"""`mokgen bench`: the generated op against PyTorch baselines, in one run, on one GPU.
+
+Timing: CUDA events around each call, warm-up first, the median of many calls.
+FLOPs counted as DESIGN.md does: 6*T*K*H*I for the routed forward (+ 6*T*H*Is for a
+shared expert). Reports ms, TFLOP/s, the ratio to torch grouped_mm, the fraction of
+the dense bf16 GEMM peak measured in the same run, and the relative error of each
+implementation against the float64 reference.
+
+Baselines (both written as a PyTorch user would):
+  torch_grouped_mm  sort by expert, torch._grouped_mm for gate/up (weights
+                    concatenated once, outside the timed region) and down, SwiGLU,
+                    weighted index_add combine
+  torch_loop        a Python loop over experts (Hugging Face style)
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .reference import moe_reference, rel_error
+from .verify import make_inputs
+
+
+def torch_grouped_mm(x, ids, w, w13, wd, I):
+    T, _ = x.shape
+    E, K = wd.shape[0], ids.shape[1]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    tok = order // K
+    h13 = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
+    h = F.silu(h13[:, :I]) * h13[:, I:]
+    y = torch._grouped_mm(h, wd.transpose(1, 2), offs=offs)
+    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None])
+    return out.to(x.dtype)
+
+
+def torch_loop(x, ids, w, wg, wu, wd):
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for e in range(wg.shape[0]):
+        tok, slot = torch.where(ids == e)
+        if tok.numel():
+            xe = x[tok]
+            y = (F.silu(xe @ wg[e].t()) * (xe @ wu[e].t())) @ wd[e].t()
+            out.index_add_(0, tok, y.float() * w[tok, slot, None])
+    return out.to(x.dtype)
+
+
+def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def dense_peak_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / time_ms(lambda: a @ b, 10, 30) / 1e9
+
+
+def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "torch_loop"), log=print,
+                  routing: str = "uniform") -> list[dict]:
+    spec = variant.spec
+    rows = []
+    for T in tokens:
+        gen = torch.Generator(device="cuda").manual_seed(1234 + T)
+        x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(spec, T, routing, gen)
+        flops = 6.0 * T * spec.topk * spec.hidden * spec.intermediate + 6.0 * T * spec.hidden * spec.shared_intermediate
+        ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd) if T * spec.hidden <= 16384 * 4096 else None
+        impls = {"mokgen": lambda: variant.ops.forward(x, ids, w, wg, wu, wd, sg, su, sd)}
+        if not spec.shared_intermediate:
+            w13 = torch.cat([wg, wu], dim=1)
+            if "torch_grouped_mm" in baselines:
+                impls["torch_grouped_mm"] = lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate)
+            if "torch_loop" in baselines:
+                impls["torch_loop"] = lambda: torch_loop(x, ids, w, wg, wu, wd)
+        for name, fn in impls.items():
+            out = fn()
+            err = rel_error(out, ref) if ref is not None else float("nan")
+            ms = time_ms(fn, warmup=5 if name == "torch_loop" else 10, iters=10 if name == "torch_loop" else 50)
+            rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=err,
+                             routing=routing))
+            log(f"  {variant.name} T={T} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, rel_err {err:.2e}")
+        del x, ids, w, wg, wu, wd
+        torch.cuda.empty_cache()
+    base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
+    for r in rows:
+        r["speedup_vs_grouped_mm"] = base[r["T"]] / r["ms"] if r["T"] in base else None
+    return rows
+
+
+def format_table(rows: list[dict], peak: float) -> str:
+    head = f"{'variant':34s} {'T':>6s} {'impl':17s} {'ms':>9s} {'TFLOP/s':>8s} {'x grouped':>9s} {'% peak':>7s} {'rel_err':>8s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = f"{r['speedup_vs_grouped_mm']:.2f}x" if r.get("speedup_vs_grouped_mm") else "-"
+        lines.append(f"{r['variant']:34s} {r['T']:6d} {r['impl']:17s} {r['ms']:9.3f} {r['tflops']:8.1f} "
+                     f"{ratio:>9s} {100 * r['tflops'] / peak:6.1f}% {r['rel_err']:8.1e}")
+    return "\n".join(lines)
+
+
+def run(variants, tokens, json_path: Path | None, baselines, log=print) -> dict:
+    if not torch.cuda.is_available():
+        raise RuntimeError("mokgen bench needs a CUDA GPU")
+    peak = dense_peak_tflops()
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__}: dense bf16 8192^3 = {peak:.0f} TFLOP/s")
+    rows = []
+    for v in variants:
+        rows += bench_variant(v, tokens, baselines, log)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dense_peak_tflops=peak, rows=rows)
+    log(format_table(rows, peak))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=1))
+        log(f"wrote {json_path}")
+    return result

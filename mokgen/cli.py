@@ -1,0 +1,211 @@
+"""The mokgen command line: build, list, show, verify, bench.
+
+The CLI composes the library's layers and has no logic of its own. Bad flags and
+illegal specs exit with code 2 and a one-line reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .ir import DEFAULT_PRESET, PRESETS, MoESpec, SpecError
+from .ir.spec import ARCHS, DTYPES, TOPOLOGIES
+
+
+def fail(msg: str, code: int = 2):
+    click.echo(f"mokgen: error: {msg}", err=True)
+    sys.exit(code)
+
+
+def spec_options(fn):
+    """Every MoESpec field as a flag; unset flags take the preset's value."""
+    opts = [
+        click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
+                     help=f"Start from a named layer (default: {DEFAULT_PRESET})."),
+        click.option("--experts", type=int, help="Number of routed experts E."),
+        click.option("--topk", type=int, help="Experts per token K."),
+        click.option("--hidden", type=int, help="Hidden size H (multiple of 64)."),
+        click.option("--intermediate", type=int, help="Expert intermediate size I (multiple of 64)."),
+        click.option("--shared-intermediate", type=int, help="Shared-expert intermediate size (0: none)."),
+        click.option("--dtype", type=click.Choice(DTYPES), help="Data type."),
+        click.option("--world-size", type=int, help="GPUs in the expert-parallel group."),
+        click.option("--topology", type=click.Choice(TOPOLOGIES), help="How the GPUs are linked."),
+        click.option("--arch", type=click.Choice(ARCHS), help="Target architecture."),
+        click.option("--renormalize/--no-renormalize", default=None, help="Renormalise the router's top-k weights."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, preset, **kw):
+        fields = {f.name for f in dataclasses.fields(MoESpec)}
+        given = {k: v for k, v in kw.items() if k in fields and v is not None}
+        rest = {k: v for k, v in kw.items() if k not in fields}
+        base = PRESETS[preset or DEFAULT_PRESET]
+        try:
+            spec = dataclasses.replace(base, **given)
+        except SpecError as e:
+            fail(str(e))
+        return fn(*args, spec=spec, **rest)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mokgen")
+def main():
+    """mokgen: generate fused Mixture-of-Experts kernels (CuTe-DSL, Hopper) for one exact layer."""
+
+
+@main.command()
+@spec_options
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Variants directory (default: $MOKGEN_HOME or the source tree's generated/).")
+@click.option("--jobs", "-j", type=int, default=None, help="Parallel compile processes.")
+@click.option("--force", is_flag=True, help="Rebuild even if up to date.")
+@click.option("--no-compile", is_flag=True, help="Render the source only (no CuTe-DSL needed).")
+def build(spec, out, jobs, force, no_compile):
+    """Plan, render and compile one MoE layer. With no flags: the OLMoE-1B-7B layer."""
+    from .codegen import BuildError, build as do_build
+    from .schedule import PlanError
+
+    try:
+        path = do_build(spec, out, jobs=jobs, force=force, compile=not no_compile)
+    except (PlanError, SpecError) as e:
+        fail(str(e))
+    except BuildError as e:
+        fail(str(e), code=1)
+    click.echo(str(path))
+
+
+@main.command("list")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None)
+def list_(out):
+    """Variants on disk and whether they are compiled."""
+    from .codegen import default_out, is_built
+
+    root = out or default_out()
+    rows = sorted(p.parent for p in root.glob("*/manifest.json"))
+    if not rows:
+        click.echo(f"no variants in {root}")
+        return
+    for p in rows:
+        m = json.loads((p / "manifest.json").read_text())
+        s = m["spec"]
+        state = "built" if is_built(p) else "source only"
+        click.echo(f"{p.name:40s} E={s['experts']:<4d} K={s['topk']:<3d} H={s['hidden']:<6d} "
+                   f"I={s['intermediate']:<6d} S={s['shared_intermediate']:<5d} {state}")
+
+
+def _resolve_variant(name: str) -> Path:
+    from .codegen import default_out
+
+    p = Path(name)
+    if (p / "manifest.json").exists():
+        return p
+    p = default_out() / name
+    if (p / "manifest.json").exists():
+        return p
+    if name in PRESETS:
+        return default_out() / PRESETS[name].variant
+    fail(f"no variant {name!r} (see `mokgen list`, or build it with `mokgen build`)")
+
+
+@main.command()
+@click.argument("variant")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def show(variant, as_json):
+    """Print a variant's Plan as a readable table (VARIANT: name, directory or preset)."""
+    from .schedule import make_plan
+
+    path = _resolve_variant(variant)
+    if (path / "manifest.json").exists():
+        plan = json.loads((path / "manifest.json").read_text())["plan"]
+    else:
+        plan = make_plan(PRESETS[variant]).to_dict()
+    if as_json:
+        click.echo(json.dumps(plan, indent=1, sort_keys=True))
+        return
+    from .show import format_plan
+
+    click.echo(format_plan(plan))
+
+
+@main.command()
+@click.argument("variant")
+@click.option("--tokens", default="1,7,1000,4096", help="Comma-separated token counts.")
+@click.option("--routing", default="uniform,skewed", help="Comma-separated: uniform, skewed.")
+def verify(variant, tokens, routing):
+    """Golden-test a built variant on the GPU against the float64 reference."""
+    import torch
+
+    from . import load
+    from .verify import TOLERANCE, check_forward
+
+    if not torch.cuda.is_available():
+        fail("verify needs a CUDA GPU", code=1)
+    try:
+        toks = [int(t) for t in tokens.split(",")]
+    except ValueError:
+        fail(f"--tokens must be comma-separated integers, got {tokens!r}")
+    v = load(_resolve_variant(variant))
+    bad = 0
+    for r in routing.split(","):
+        for T in toks:
+            res = check_forward(v, T, r.strip())
+            bad += not res.ok
+            click.echo(f"{v.name} T={T:<6d} {r:8s} rel_err={res.rel_error:.3e} "
+                       f"{'unwritten rows ' if res.unwritten else ''}{'ok' if res.ok else 'FAIL'}")
+    click.echo(f"{'all passed' if not bad else f'{bad} failed'} (tolerance {TOLERANCE})")
+    sys.exit(1 if bad else 0)
+
+
+@main.command()
+@spec_options
+@click.option("--variant", "variant_name", default=None, help="Bench a built variant instead of --preset/flags.")
+@click.option("--tokens", default="4096,16384", help="Comma-separated token counts.")
+@click.option("--baselines", default="torch_grouped_mm,torch_loop", help="Comma-separated baselines to run.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("bench-out/bench.json"), show_default=True)
+def bench(spec, variant_name, tokens, baselines, json_path):
+    """Time the generated forward against torch grouped_mm and the per-expert loop."""
+    import torch
+
+    from . import load
+    from .bench import run
+
+    if not torch.cuda.is_available():
+        fail("bench needs a CUDA GPU", code=1)
+    try:
+        toks = [int(t) for t in tokens.split(",")]
+    except ValueError:
+        fail(f"--tokens must be comma-separated integers, got {tokens!r}")
+    v = load(_resolve_variant(variant_name)) if variant_name else load(spec)
+    run([v], toks, json_path, tuple(b.strip() for b in baselines.split(",")), log=click.echo)
+
+
+
+
+def run():
+    """Console entry point: click's usage errors become one line and exit code 2."""
+    try:
+        rv = main(standalone_mode=False)
+    except click.UsageError as e:
+        hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx else ""
+        fail(f"{e.format_message()}{hint}")
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        fail(e.format_message(), code=e.exit_code)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    run()

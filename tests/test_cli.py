@@ -1,0 +1,43 @@
+import json
+
+from click.testing import CliRunner
+
+from mokgen.cli import main
+
+
+def test_build_render_only_show_and_list(tmp_path):
+    r = CliRunner().invoke(main, ["build", "--experts", "16", "--topk", "4", "--hidden", "512",
+                                  "--intermediate", "256", "--no-compile", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    variant = "e16_k4_h512_i256_bf16_sm90a"
+    assert (tmp_path / variant / "manifest.json").exists()
+    assert not list(tmp_path.glob(".tmp-*"))
+    r = CliRunner().invoke(main, ["list", "--out", str(tmp_path)])
+    assert variant in r.output and "source only" in r.output
+    r = CliRunner().invoke(main, ["show", str(tmp_path / variant)])
+    assert r.exit_code == 0 and "gemm_gateup" in r.output and "decisions" in r.output
+    r = CliRunner().invoke(main, ["show", str(tmp_path / variant), "--json"])
+    assert json.loads(r.output)["variant"] == variant
+
+
+def test_show_preset_without_building():
+    r = CliRunner().invoke(main, ["show", "deepseek-v3"])
+    assert r.exit_code == 0 and "shared_gateup" in r.output
+
+
+def test_bad_flags_exit_2_with_one_line(tmp_path):
+    for args in (["build", "--topk", "100"], ["build", "--hidden", "1000"], ["build", "--world-size", "3",
+                 "--topology", "nvlink", "--experts", "10"], ["show", "no-such-variant"]):
+        r = CliRunner(mix_stderr=False).invoke(main, args) if "mix_stderr" in CliRunner.__init__.__code__.co_varnames \
+            else CliRunner().invoke(main, args)
+        assert r.exit_code == 2, (args, r.output)
+
+
+def test_console_script_formats_usage_errors(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", "from mokgen.cli import run; run()", "build", "--dtype", "fp8"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "mokgen: error:" in p.stderr

@@ -1,0 +1,87 @@
+"""Ahead-of-time compile for sm_90a on a machine with no GPU (needs nvidia-cutlass-dsl)."""
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mokgen.ir import PRESETS, MoESpec
+
+pytestmark = pytest.mark.compile
+
+SPECS = [
+    PRESETS["olmoe"],
+    PRESETS["qwen3-30b-a3b"],
+    MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
+    MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768),
+]
+
+
+def nvdisasm():
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations if spec else []):
+        for cand in Path(root).glob("cu*/bin/nvdisasm"):
+            return str(cand)
+    return shutil.which("nvdisasm")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from mokgen.codegen import build
+
+    out = tmp_path_factory.mktemp("variants")
+    return {s.variant: build(s, out, log=lambda m: None) for s in SPECS}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.variant)
+def test_compiles_for_sm90a_and_exports_launchers(built, spec):
+    path = built[spec.variant]
+    lib = path / "build" / "libmokgen.so"
+    assert lib.exists()
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
+    import json
+
+    plan = json.loads((path / "manifest.json").read_text())["plan"]
+    for k in plan["kernels"]:
+        assert f"mokgen_{k['name']}_launch" in syms
+        assert (path / "build" / f"{k['name']}.cubin").exists()
+    ctypes.CDLL(str(lib))  # loads without a GPU (module load happens at first launch)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.variant)
+def test_gemm_sass_uses_hgmma_without_local_memory(built, spec):
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    build = built[spec.variant] / "build"
+    for cubin in sorted(build.glob("*gemm*.cubin")) + sorted(build.glob("shared_*.cubin")):
+        sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
+        assert "HGMMA" in sass, f"{cubin.name}: no HGMMA (off the wgmma path)"
+        assert "UTMALDG" in sass, f"{cubin.name}: no TMA loads"
+        assert not any(op in sass for op in ("LDL", "STL")), f"{cubin.name}: local-memory traffic (spills)"
+
+
+def test_rebuild_is_a_no_op_and_failed_build_leaves_nothing(built, tmp_path, monkeypatch):
+    import importlib
+
+    build_mod = importlib.import_module("mokgen.codegen.build")
+    BuildError, build = build_mod.BuildError, build_mod.build
+
+    spec = SPECS[0]
+    path = built[spec.variant]
+    stamp = (path / "build" / "build.json").read_text()
+    assert build(spec, path.parent, log=lambda m: None) == path
+    assert (path / "build" / "build.json").read_text() == stamp
+
+    def boom(*a, **k):
+        raise BuildError("injected compile failure")
+
+    monkeypatch.setattr(build_mod, "_compile", boom)
+    other = MoESpec(experts=4, topk=2, hidden=256, intermediate=128)
+    with pytest.raises(BuildError, match="injected"):
+        build(other, tmp_path, log=lambda m: None)
+    assert not (tmp_path / other.variant).exists()
+    assert not list(tmp_path.glob(".tmp-*"))
