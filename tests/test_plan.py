@@ -28,11 +28,11 @@ def test_plan_invariants(spec):
     for k in p.kernels:
         assert k.block <= 1024 and k.block % 32 == 0
         assert k.smem_bytes <= H200.smem_per_block
-        if k.template == "grouped_gemm.py.j2":
+        if k.template == "grouped_gemm_persistent.py.j2":
             prm = k.params
             accs = 2 if prm["epilogue"] == "swiglu" else 1
             # accumulator registers per thread stay within the 128-register budget
-            assert prm["tile_m"] * prm["tile_n"] * accs // prm["threads"] <= 128
+            assert prm["tile_m"] * prm["tile_n"] * accs // (128 * prm["mma_warpgroups"]) <= 128
             assert prm["tile_m"] == p.row_tile
     for entry, steps in p.steps.items():
         assert all(any(k.name == s for k in p.kernels) for s in steps)

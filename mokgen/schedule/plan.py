@@ -117,32 +117,43 @@ class PlanError(ValueError):
 # ---- decisions ---------------------------------------------------------------------
 
 def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target) -> dict:
-    """Tile shape, pipeline depth and epilogue tiling of one grouped GEMM.
+    """Tile shape, pipeline depth, epilogue tiling and warp roles of one grouped GEMM.
 
-    M tile 128 = two consumer warpgroups of 64 rows. The accumulator budget is
-    128 fp32 registers per thread (of 255): SwiGLU keeps two accumulators (gate and
-    up), so its N tile is half of a plain GEMM's. N tiles that divide N avoid
-    partial tiles; stages fill the shared memory left after the reserve.
+    Persistent and warp-specialised: one producer warpgroup (TMA) and two consumer
+    warpgroups of 64 rows each, so the M tile is 128. The accumulator budget is 128
+    fp32 registers per consumer thread (consumers run with CONSUMER_REGS): SwiGLU keeps
+    two accumulators (gate and up), so its N tile is half of a plain GEMM's. N tiles
+    that divide N avoid partial tiles. The epilogue has its own staging buffers (the
+    producer refills the A/B stages meanwhile); the A/B stages take what is left.
     """
-    tile_m = 2 * WGMMA_ROWS
-    threads = (tile_m // WGMMA_ROWS) * WARPGROUP_THREADS
+    mma_warpgroups = 2
+    tile_m = mma_warpgroups * WGMMA_ROWS
+    consumer_threads = mma_warpgroups * WARPGROUP_THREADS
+    threads = consumer_threads + WARPGROUP_THREADS  # + the producer warpgroup
     num_b = 2 if epilogue == "swiglu" else 1
-    acc_budget = 128 * threads  # fp32 accumulators the CTA may hold
+    acc_budget = 128 * consumer_threads  # fp32 accumulators the CTA may hold
     candidates = [n for n in (256, 128, 64) if tile_m * n * num_b <= acc_budget]
     tile_n = next((n for n in candidates if n_size % n == 0), candidates[-1])
-    stage_bytes = (tile_m + num_b * tile_n) * TILE_K * 2
-    stages = (target.smem_per_block - SMEM_RESERVE) // stage_bytes
-    stages = max(2, min(stages, 8))
     epi_tile = (tile_m, 32)
     epi_stages = 4
-    if epi_tile[0] * epi_tile[1] * epi_stages > tile_m * TILE_K * stages:
-        raise PlanError("epilogue staging does not fit in the A stages it reuses")
-    smem = stages * stage_bytes + stages * 16
+    epi_bytes = epi_tile[0] * epi_tile[1] * 2 * epi_stages
+    stage_bytes = (tile_m + num_b * tile_n) * TILE_K * 2
+    stages = (target.smem_per_block - SMEM_RESERVE - epi_bytes) // stage_bytes
+    stages = min(stages, 8)
+    if stages < 2:
+        raise PlanError(f"GEMM tile {tile_m}x{tile_n}: fewer than 2 pipeline stages fit in shared memory")
+    if (tile_n // epi_tile[1]) % epi_stages:
+        raise PlanError("epilogue sub-tiles per tile must be a multiple of the epilogue stages")
+    smem = stages * stage_bytes + epi_bytes + 1024
     if smem > target.smem_per_block:
         raise PlanError(f"GEMM needs {smem} B of shared memory, {target.name} offers {target.smem_per_block}")
+    # setmaxnreg: the producer gives registers to the consumers (64K registers per SM).
+    producer_regs, consumer_regs = 40, 232
+    if producer_regs * WARPGROUP_THREADS + consumer_regs * consumer_threads > 65536:
+        raise PlanError("register split exceeds the register file")
     return dict(tile_m=tile_m, tile_n=tile_n, tile_k=TILE_K, stages=stages, epi_tile=list(epi_tile),
-                epi_stages=epi_stages, mma_warpgroups=tile_m // WGMMA_ROWS, threads=threads,
-                smem_bytes=smem)
+                epi_stages=epi_stages, mma_warpgroups=mma_warpgroups, threads=threads, sms=target.sms,
+                producer_regs=producer_regs, consumer_regs=consumer_regs, smem_bytes=smem)
 
 
 def simt_threads(columns: int, target: Target, cap: int = 256) -> int:
@@ -236,13 +247,14 @@ def make_plan(spec: MoESpec, target: Target | None = None) -> Plan:
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
-            f"{name}: tile {tl['tile_m']}x{tl['tile_n']}x{tl['tile_k']}, {tl['stages']} stages "
-            f"({smem // 1024} KiB smem), {tl['mma_warpgroups']} MMA warpgroups"
+            f"{name}: persistent over min({tl['sms']} SMs, tiles), tile {tl['tile_m']}x{tl['tile_n']}x{tl['tile_k']}, "
+            f"{tl['stages']} stages ({smem // 1024} KiB smem), 1 producer + {tl['mma_warpgroups']} MMA warpgroups"
         )
-        return KernelPlan(name, stage, name, "grouped_gemm.py.j2", "main", params, args,
-                          grid=f"({tiles_sym}, ceil({n}/{tl['tile_n']}))", block=tl["threads"],
-                          warp_roles=[f"warpgroups 0..{tl['mma_warpgroups'] - 1}: wgmma consumers",
-                                      "warp 0 also: TMA producer", "all: epilogue (stmatrix + TMA store)"],
+        return KernelPlan(name, stage, name, "grouped_gemm_persistent.py.j2", "main", params, args,
+                          grid=f"(min({tl['sms']}, {tiles_sym}*ceil({n}/{tl['tile_n']})),)", block=tl["threads"],
+                          warp_roles=[f"warpgroup 0: TMA producer (warp 0), {tl['producer_regs']} registers",
+                                      f"warpgroups 1..{tl['mma_warpgroups']}: wgmma consumers + epilogue "
+                                      f"(stmatrix + TMA store), {tl['consumer_regs']} registers"],
                           smem_bytes=smem)
 
     kernels.append(gemm("gemm_gateup", "gemm_gateup", "xs", ("w_gate", "w_up"), "h", I, H, "swiglu",
