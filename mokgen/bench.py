@@ -148,4 +148,38 @@ def run(variants, tokens, json_path: Path | None, baselines, log=print) -> dict:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=1))
         log(f"wrote {json_path}")
+        png = plot(result, Path(json_path).with_suffix(".png"))
+        if png:
+            log(f"wrote {png}")
     return result
+
+
+def plot(result: dict, path: Path):
+    """TFLOP/s against T for every implementation (one panel per variant). Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    variants = sorted({r["variant"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(variants), figsize=(6 * len(variants), 4.2), squeeze=False)
+    for ax, v in zip(axes[0], variants):
+        rows = [r for r in result["rows"] if r["variant"] == v]
+        for impl in sorted({r["impl"] for r in rows}):
+            pts = sorted((r["T"], r["tflops"]) for r in rows if r["impl"] == impl)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.axhline(result["dense_peak_tflops"], color="gray", ls="--", lw=1, label="dense bf16 GEMM (torch)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("TFLOP/s (forward)")
+        ax.set_title(v, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"mokgen bench on {result['device']} (torch {result['torch']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -2,7 +2,7 @@
 # Variant: e64_k8_h2048_i1024_bf16_sm90a
 """Dispatch: group the T*K routed (token, slot) pairs by expert, deterministically.
 
-Three kernels, launched in this order on one stream (no host synchronisation):
+Two kernels, launched in this order on one stream (no host synchronisation):
 
 count    grid (64,), 1024 threads. CTA e counts the pairs routed to expert e.
 scatter  grid (64,), 1024 threads. CTA e
@@ -10,10 +10,11 @@ scatter  grid (64,), 1024 threads. CTA e
            on a multiple of 128 rows (the GEMM M tile), so every M tile of the
            grouped GEMMs belongs to exactly one expert;
          - writes tile_expert[m] = e for its M tiles (CTA 63 writes -1 after the last used tile);
-         - assigns row positions in (token, slot) order, a stable compaction with
-           warp ballots: the same routing always gives the same positions.
-gather   grid (T*K,), 256 threads. Copies x[t] into its padded row, 8 elements
-         (16 bytes) per thread and step.
+         - assigns row positions in (token, slot) order, a stable compaction
+           (block-wide scan): the same routing always gives the same positions;
+         - writes row_token[row] = t for every row (-1 for padding rows): the
+           gate/up GEMM gathers its A rows from x through it, so no permuted
+           copy of x is ever made.
 
 Routed ids outside [0, 64) match no expert: they get no row (the combine skips them).
 """
@@ -25,12 +26,10 @@ import cutlass.memory
 
 EXPERTS = 64
 TOPK = 8
-HIDDEN = 2048
 TILE_M = 128
 THREADS = 1024
 WARPS = THREADS // 32
-GATHER_THREADS = 256
-VEC = 8
+ITEMS = 4  # pairs per thread and step of the compaction
 
 
 @cute.kernel
@@ -56,7 +55,9 @@ def count_kernel(ids: cute.Tensor, counts: cute.Tensor):
 
 
 @cute.kernel
-def scatter_kernel(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, tile_expert: cute.Tensor):
+def scatter_kernel(
+    ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, row_token: cute.Tensor, tile_expert: cute.Tensor
+):
     tidx, _, _ = cute.arch.thread_idx()
     e, _, _ = cute.arch.block_idx()
     lane = cute.arch.lane_idx()
@@ -81,26 +82,40 @@ def scatter_kernel(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, tile
     tiles_before = shared_scalars[0]
     tiles_total = shared_scalars[1]
 
-    my_tiles = (counts[e] + (TILE_M - 1)) // TILE_M
+    my_count = counts[e]
+    my_tiles = (my_count + (TILE_M - 1)) // TILE_M
     for i in cutlass.range(tidx, my_tiles, THREADS, unroll=1):
         tile_expert[tiles_before + i] = e
+    # Padding rows of e's last tile: no token.
+    for i in cutlass.range(my_count + tidx, my_tiles * TILE_M, THREADS, unroll=1):
+        row_token[tiles_before * TILE_M + i] = -1
     if e == EXPERTS - 1:
         for i in cutlass.range(tiles_total + tidx, cute.size(tile_expert), THREADS, unroll=1):
             tile_expert[i] = -1
 
-    # Stable compaction of the pairs routed to e, THREADS pairs per step.
+    # Stable compaction of the pairs routed to e: each step covers THREADS * ITEMS
+    # consecutive pairs, thread t owning ITEMS consecutive ones, so (thread, item)
+    # order is (token, slot) order. Hits are ranked by a block-wide exclusive scan
+    # (warp shuffles, then the warp totals in shared memory).
     base = tiles_before * TILE_M
     running = cutlass.Int32(0)
-    for chunk in cutlass.range(0, n, THREADS, unroll=1):
-        i = chunk + tidx
-        hit = cutlass.Boolean(False)
-        if i < n:
-            if ids[i] == e:
-                hit = cutlass.Boolean(True)
-        ballot = cute.arch.vote_ballot_sync(hit)
-        rank = cute.arch.popc(ballot & cutlass.Int32(cute.arch.lanemask_lt()))
-        if lane == 0:
-            warp_cnt[warp] = cute.arch.popc(ballot)
+    hits = cute.make_rmem_tensor((ITEMS,), cutlass.Int32)
+    for chunk in cutlass.range(0, n, THREADS * ITEMS, unroll=1):
+        first = chunk + tidx * ITEMS
+        mine = cutlass.Int32(0)
+        for j in cutlass.range_constexpr(ITEMS):
+            hits[j] = 0
+            if first + j < n:
+                if ids[first + j] == e:
+                    hits[j] = 1
+            mine = mine + hits[j]
+        incl = mine
+        for sh in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << sh)
+            if lane >= (1 << sh):
+                incl = incl + up
+        if lane == 31:
+            warp_cnt[warp] = incl
         cute.arch.sync_threads()
         prefix = cutlass.Int32(0)
         step_total = cutlass.Int32(0)
@@ -109,25 +124,14 @@ def scatter_kernel(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, tile
             if w < warp:
                 prefix = prefix + cw
             step_total = step_total + cw
-        if hit:
-            pos[i] = base + running + prefix + rank
+        rank = base + running + prefix + incl - mine
+        for j in cutlass.range_constexpr(ITEMS):
+            if hits[j] == 1:
+                pos[first + j] = rank
+                row_token[rank] = (first + j) // TOPK
+                rank = rank + 1
         running = running + step_total
         cute.arch.sync_threads()
-
-
-@cute.kernel
-def gather_kernel(ids: cute.Tensor, x: cute.Tensor, pos: cute.Tensor, xs: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    i, _, _ = cute.arch.block_idx()
-    expert = ids[i]
-    # A pair with an id out of range has no row: nothing to copy.
-    if expert >= 0 and expert < EXPERTS:
-        row = pos[i]
-        token = i // TOPK
-        for c in cutlass.range(tidx, HIDDEN // VEC, GATHER_THREADS, unroll=1):
-            src = cute.local_tile(x, (1, VEC), (token, c))
-            dst = cute.local_tile(xs, (1, VEC), (row, c))
-            dst.store(src.load())
 
 
 class Dispatch:
@@ -144,24 +148,14 @@ class Dispatch:
         ids: cute.Tensor,
         counts: cute.Tensor,
         pos: cute.Tensor,
+        row_token: cute.Tensor,
         tile_expert: cute.Tensor,
         stream: cuda.CUstream,
     ):
         flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * TOPK))
         flat_pos = cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * TOPK))
-        scatter_kernel(flat, counts, flat_pos, tile_expert).launch(
+        scatter_kernel(flat, counts, flat_pos, row_token, tile_expert).launch(
             grid=(EXPERTS, 1, 1), block=(THREADS, 1, 1), stream=stream
-        )
-
-    @cute.jit
-    def gather(
-        self, ids: cute.Tensor, x: cute.Tensor, pos: cute.Tensor, xs: cute.Tensor, stream: cuda.CUstream
-    ):
-        pairs = pos.shape[0] * TOPK
-        flat = cute.make_tensor(ids.iterator, cute.make_layout(pairs))
-        flat_pos = cute.make_tensor(pos.iterator, cute.make_layout(pairs))
-        gather_kernel(flat, x, flat_pos, xs).launch(
-            grid=(pairs, 1, 1), block=(GATHER_THREADS, 1, 1), stream=stream
         )
 
 
@@ -170,7 +164,6 @@ def compile_entry(fake, entry):
     if entry == "count":
         return op.count, (fake("ids"), fake("counts"), fake.stream())
     if entry == "scatter":
-        return op.scatter, (fake("ids"), fake("counts"), fake("pos"), fake("tile_expert"), fake.stream())
-    if entry == "gather":
-        return op.gather, (fake("ids"), fake("x"), fake("pos"), fake("xs"), fake.stream())
+        return op.scatter, (fake("ids"), fake("counts"), fake("pos"), fake("row_token"), fake("tile_expert"),
+                            fake.stream())
     raise KeyError(entry)

@@ -47,6 +47,8 @@ NUM_B = 1
 WG_THREADS = 128
 CONSUMER_THREADS = MMA_WARPGROUPS * WG_THREADS
 N_TILES = (N_SIZE + TILE_MNK[1] - 1) // TILE_MNK[1]
+GATHER_A = False
+VEC = 8  # bf16 elements per 16-byte cp.async
 EPILOGUE_BARRIER = 1
 
 
@@ -81,9 +83,9 @@ class GemmDown:
         c: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        m_rows = a.shape[0]
+        m_rows = c.shape[0]
         # (M, K, 1), (N, K, groups), (M, N, 1) views: K-major A and B, N-major C.
-        mA = cute.make_tensor(a.iterator, cute.make_layout((m_rows, K_SIZE, 1), stride=(K_SIZE, 1, m_rows * K_SIZE)))
+        mA = cute.make_tensor(a.iterator, cute.make_layout((a.shape[0], K_SIZE, 1), stride=(K_SIZE, 1, a.shape[0] * K_SIZE)))
         b_layout = cute.make_layout((N_SIZE, K_SIZE, GROUPS), stride=(K_SIZE, 1, N_SIZE * K_SIZE))
         mB0 = cute.make_tensor(b0.iterator, b_layout)
         mC = cute.make_tensor(c.iterator, cute.make_layout((m_rows, N_SIZE, 1), stride=(N_SIZE, 1, m_rows * N_SIZE)))
@@ -159,14 +161,14 @@ class GemmDown:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        tx_bytes = cute.size_in_bytes(self.io_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + NUM_B * cute.size_in_bytes(
-            self.io_dtype, cute.slice_(b_smem_staged, (None, None, 0))
-        )
+        b_bytes = NUM_B * cute.size_in_bytes(self.io_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
         # Full barriers: one producer thread + TMA bytes. Empty barriers: one arrive per consumer warp.
+        tx_bytes = cute.size_in_bytes(self.io_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + b_bytes
+        producer_arrivals = 1
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -182,7 +184,6 @@ class GemmDown:
         gA = cute.local_tile(mA, cute.slice_(TILE_MNK, (None, 0, None)), (None, None, None))
         gB0 = cute.local_tile(mB0, cute.slice_(TILE_MNK, (0, None, None)), (None, None, None))
         gC = cute.local_tile(mC, cute.slice_(TILE_MNK, (None, None, 0)), (None, None, None))
-
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
@@ -191,7 +192,7 @@ class GemmDown:
         )
 
         pipeline.pipeline_init_wait()
-        k_tiles = cute.size(gA, mode=[3])
+        k_tiles = (K_SIZE + TILE_MNK[2] - 1) // TILE_MNK[2]
 
         if wg_idx == 0:
             # ---------------- producer warpgroup ----------------

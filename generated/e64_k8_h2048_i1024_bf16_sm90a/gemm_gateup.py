@@ -9,16 +9,21 @@ padded to a multiple of 128), with e = tile_expert[m] (-1: unused, and so are al
 
 
 Shapes: A [M, 2048], B* [64, 1024, 2048], C [M, 1024], M symbolic.
+A is gathered, never stored: row r of A is x[row_token[r]] (x [T, 2048]; row_token -1 marks
+padding rows, which load x[0] and whose results nobody reads).
 
 Persistent grid of min(132, tiles) CTAs; CTA i takes tiles i, i + grid, ... of the
 (M tile, N tile) grid in M-major order, so CTAs running together share the
 expert's weights in L2. Warp roles (384 threads):
-  warpgroup 0        producer: warp 0 issues the TMA loads of A and B into a
-                     4-stage shared-memory pipeline (full/empty mbarriers);
-                     registers lowered to 40 (setmaxnreg).
+  warpgroup 0        producer: warp 0 issues the TMA loads of B; all 128 threads gather
+                     the A rows with cp.async (16 bytes each) into the swizzled A stage.
+                     Each warp, once its copies of a stage have landed (cp.async.wait_group),
+                     fences the async proxy and arrives on the stage's full barrier, which
+                     also waits for the TMA bytes: 4-stage pipeline, registers lowered to
+                     56 (setmaxnreg).
   warpgroups 1..2    consumers: wgmma on 64-row slices of the
                      128x128 tile, K step 64, fp32 accumulators in registers
-                     (raised to 232); then the epilogue: registers -> bf16 ->
+                     (raised to 224); then the epilogue: registers -> bf16 ->
                      shared memory (stmatrix) -> TMA store, 128x32 sub-tiles through
                      4 buffers of their own, so the producer already loads the next tile.
 """
@@ -41,12 +46,14 @@ K_SIZE = 2048
 GROUPS = 64
 THREADS = 384
 SMS = 132
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
+PRODUCER_REGS = 56
+CONSUMER_REGS = 224
 NUM_B = 2
 WG_THREADS = 128
 CONSUMER_THREADS = MMA_WARPGROUPS * WG_THREADS
 N_TILES = (N_SIZE + TILE_MNK[1] - 1) // TILE_MNK[1]
+GATHER_A = True
+VEC = 8  # bf16 elements per 16-byte cp.async
 EPILOGUE_BARRIER = 1
 
 
@@ -76,15 +83,16 @@ class GemmGateup:
     def __call__(
         self,
         a: cute.Tensor,
+        row_token: cute.Tensor,
         b0: cute.Tensor,
         b1: cute.Tensor,
         tile_expert: cute.Tensor,
         c: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        m_rows = a.shape[0]
+        m_rows = c.shape[0]
         # (M, K, 1), (N, K, groups), (M, N, 1) views: K-major A and B, N-major C.
-        mA = cute.make_tensor(a.iterator, cute.make_layout((m_rows, K_SIZE, 1), stride=(K_SIZE, 1, m_rows * K_SIZE)))
+        mA = cute.make_tensor(a.iterator, cute.make_layout((a.shape[0], K_SIZE, 1), stride=(K_SIZE, 1, a.shape[0] * K_SIZE)))
         b_layout = cute.make_layout((N_SIZE, K_SIZE, GROUPS), stride=(K_SIZE, 1, N_SIZE * K_SIZE))
         mB0 = cute.make_tensor(b0.iterator, b_layout)
         mB1 = cute.make_tensor(b1.iterator, b_layout)
@@ -95,9 +103,6 @@ class GemmGateup:
         self._setup()
 
         tma_op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            tma_op, mA, cute.slice_(self.a_smem_staged, (None, None, 0)), (TILE_MNK[0], TILE_MNK[2])
-        )
         b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
         tma_b0, tma_mB0 = cute.nvgpu.cpasync.make_tiled_tma_atom(tma_op, mB0, b_smem, (TILE_MNK[1], TILE_MNK[2]))
         tma_b1, tma_mB1 = cute.nvgpu.cpasync.make_tiled_tma_atom(tma_op, mB1, b_smem, (TILE_MNK[1], TILE_MNK[2]))
@@ -126,7 +131,7 @@ class GemmGateup:
         total_tiles = tile_expert.shape[0] * N_TILES
         grid_x = cutlass.min(SMS, total_tiles)
         self.kernel(
-            tma_a, tma_mA,
+            a, row_token,
             tma_b0, tma_mB0,
             tma_b1, tma_mB1,
             tma_c, tma_mC,
@@ -140,8 +145,8 @@ class GemmGateup:
     @cute.kernel
     def kernel(
         self,
-        tma_a: cute.CopyAtom,
-        mA: cute.Tensor,
+        mX: cute.Tensor,
+        row_token: cute.Tensor,
         tma_b0: cute.CopyAtom,
         mB0: cute.Tensor,
         tma_b1: cute.CopyAtom,
@@ -162,21 +167,21 @@ class GemmGateup:
         total_tiles = tile_expert.shape[0] * N_TILES
 
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b0)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b1)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        tx_bytes = cute.size_in_bytes(self.io_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + NUM_B * cute.size_in_bytes(
-            self.io_dtype, cute.slice_(b_smem_staged, (None, None, 0))
-        )
-        # Full barriers: one producer thread + TMA bytes. Empty barriers: one arrive per consumer warp.
+        b_bytes = NUM_B * cute.size_in_bytes(self.io_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+        # Full barriers: the TMA thread (+ B bytes) and one arrive per producer warp
+        # once its gathered A rows have landed. Empty barriers: one arrive per consumer warp.
+        tx_bytes = b_bytes
+        producer_arrivals = 1 + WG_THREADS // 32
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -190,14 +195,9 @@ class GemmGateup:
         sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
 
         # (bM, bK, m, k, 1), (bN, bK, n, k, group), (bM, bN, m, n, 1)
-        gA = cute.local_tile(mA, cute.slice_(TILE_MNK, (None, 0, None)), (None, None, None))
         gB0 = cute.local_tile(mB0, cute.slice_(TILE_MNK, (0, None, None)), (None, None, None))
         gB1 = cute.local_tile(mB1, cute.slice_(TILE_MNK, (0, None, None)), (None, None, None))
         gC = cute.local_tile(mC, cute.slice_(TILE_MNK, (None, None, 0)), (None, None, None))
-
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-        )
         tBsB0, tBgB0 = cute.nvgpu.cpasync.tma_partition(
             tma_b0, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2)
         )
@@ -206,30 +206,69 @@ class GemmGateup:
         )
 
         pipeline.pipeline_init_wait()
-        k_tiles = cute.size(gA, mode=[3])
+        k_tiles = (K_SIZE + TILE_MNK[2] - 1) // TILE_MNK[2]
 
         if wg_idx == 0:
             # ---------------- producer warpgroup ----------------
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp_idx == 0:
-                prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-                tile = cta
-                while tile < total_tiles:
-                    m_tile = tile // N_TILES
-                    n_tile = tile % N_TILES
-                    expert = tile_expert[m_tile]
-                    if expert < 0:
-                        tile = total_tiles  # unused tiles come last: done
-                    else:
-                        for kt in cutlass.range(k_tiles, unroll=1):
+            # Thread t copies column chunk t % 8 of rows t // 8 + 16 j: each warp
+            # instruction reads four whole 128-byte row segments.
+            lane = cute.arch.lane_idx()
+            gather_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), self.io_dtype, num_bits_per_copy=128)
+            gather_copy = cute.make_tiled_copy_tv(
+                gather_atom, cute.make_layout((WG_THREADS // 8, 8), stride=(8, 1)), cute.make_layout((1, VEC))
+            )
+            thr_gather = gather_copy.get_slice(tidx)
+            tAsA = thr_gather.partition_D(sA)  # (VEC, rows per thread, 1, stages)
+            rows_per_thread = cute.size(tAsA, mode=[1])
+            tokens = cute.make_rmem_tensor((rows_per_thread,), cutlass.Int32)
+            col = tidx % 8
+            row0 = tidx // 8
+            full = ab_pipeline.sync_object_full
+            prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+            prev_index = cutlass.Int32(0)
+            has_prev = cutlass.Int32(0)
+            tile = cta
+            while tile < total_tiles:
+                m_tile = tile // N_TILES
+                n_tile = tile % N_TILES
+                expert = tile_expert[m_tile]
+                if expert < 0:
+                    tile = total_tiles  # unused tiles come last: done
+                else:
+                    for j in cutlass.range_constexpr(rows_per_thread):
+                        tok = row_token[m_tile * TILE_MNK[0] + row0 + j * (WG_THREADS // 8)]
+                        tokens[j] = cutlass.max(tok, 0)  # padding rows (-1) load row 0
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        if warp_idx == 0:
                             ab_pipeline.producer_acquire(prod_state)
                             bar = ab_pipeline.producer_get_barrier(prod_state)
-                            cute.copy(tma_a, tAgA[(None, m_tile, kt, 0)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
                             cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
                             cute.copy(tma_b1, tBgB1[(None, n_tile, kt, expert)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar)
-                            ab_pipeline.producer_commit(prod_state)
-                            prod_state.advance()
-                        tile = tile + grid
+                        else:
+                            ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                        for j in cutlass.range_constexpr(rows_per_thread):
+                            src = cute.local_tile(mX, (1, VEC), (tokens[j], kt * (TILE_MNK[2] // VEC) + col))
+                            cute.copy(gather_atom, src[(0, None)], tAsA[(None, j, 0, prod_state.index)])
+                        cute.arch.cp_async_commit_group()
+                        # The stage before this one has landed once at most one group is pending.
+                        if has_prev == 1:
+                            cute.arch.cp_async_wait_group(1)
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            cute.arch.sync_warp()
+                            if lane == 0:
+                                cute.arch.mbarrier_arrive(full.get_barrier(prev_index))
+                        prev_index = prod_state.index
+                        has_prev = cutlass.Int32(1)
+                        prod_state.advance()
+                    tile = tile + grid
+            if has_prev == 1:
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(full.get_barrier(prev_index))
+            if warp_idx == 0:
                 ab_pipeline.producer_tail(prod_state)
         else:
             # ---------------- consumer warpgroups ----------------
@@ -329,6 +368,7 @@ class GemmGateup:
 def compile_entry(fake, entry):
     """The (function, example arguments) pair that mokgen's compile step hands to cute.compile."""
     args = [fake("a")]
+    args.append(fake("row_token"))
     args.append(fake("b0"))
     args.append(fake("b1"))
     args += [fake("tile_expert"), fake("c"), fake.stream()]

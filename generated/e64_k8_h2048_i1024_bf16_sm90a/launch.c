@@ -12,7 +12,6 @@
 #include "route.h"
 #include "dispatch_count.h"
 #include "dispatch_scatter.h"
-#include "dispatch_gather.h"
 #include "gemm_gateup.h"
 #include "gemm_down.h"
 #include "combine.h"
@@ -70,27 +69,9 @@ int mokgen_dispatch_scatter_launch(void **data, const int32_t *dyn, void *stream
     mokgen_dispatch_scatter_Tensor_ids_t arg_ids = {data[0], {dyn[0]}};
     mokgen_dispatch_scatter_Tensor_counts_t arg_counts = {data[1]};
     mokgen_dispatch_scatter_Tensor_pos_t arg_pos = {data[2], {dyn[1]}};
-    mokgen_dispatch_scatter_Tensor_tile_expert_t arg_tile_expert = {data[3], {dyn[2]}};
-    return cute_dsl_mokgen_dispatch_scatter_wrapper(&mod_dispatch_scatter, &arg_ids, &arg_counts, &arg_pos, &arg_tile_expert, (cudaStream_t)stream);
-}
-
-/* dispatch_gather: send stage, dispatch.py:gather */
-static mokgen_dispatch_gather_Kernel_Module_t mod_dispatch_gather;
-static pthread_once_t once_dispatch_gather = PTHREAD_ONCE_INIT;
-static int load_err_dispatch_gather = 0;
-static void load_dispatch_gather(void) {
-    mokgen_dispatch_gather_Kernel_Module_Load(&mod_dispatch_gather);
-    load_err_dispatch_gather = (int)cudaGetLastError();
-}
-int mokgen_dispatch_gather_launch(void **data, const int32_t *dyn, void *stream) {
-    pthread_once(&once_dispatch_gather, load_dispatch_gather);
-    if (load_err_dispatch_gather) return load_err_dispatch_gather;
-    (void)dyn;
-    mokgen_dispatch_gather_Tensor_ids_t arg_ids = {data[0], {dyn[0]}};
-    mokgen_dispatch_gather_Tensor_x_t arg_x = {data[1], {dyn[1]}};
-    mokgen_dispatch_gather_Tensor_pos_t arg_pos = {data[2], {dyn[2]}};
-    mokgen_dispatch_gather_Tensor_xs_t arg_xs = {data[3], {dyn[3]}};
-    return cute_dsl_mokgen_dispatch_gather_wrapper(&mod_dispatch_gather, &arg_ids, &arg_x, &arg_pos, &arg_xs, (cudaStream_t)stream);
+    mokgen_dispatch_scatter_Tensor_row_token_t arg_row_token = {data[3], {dyn[2]}};
+    mokgen_dispatch_scatter_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[3]}};
+    return cute_dsl_mokgen_dispatch_scatter_wrapper(&mod_dispatch_scatter, &arg_ids, &arg_counts, &arg_pos, &arg_row_token, &arg_tile_expert, (cudaStream_t)stream);
 }
 
 /* gemm_gateup: gemm_gateup stage, gemm_gateup.py:main */
@@ -106,11 +87,12 @@ int mokgen_gemm_gateup_launch(void **data, const int32_t *dyn, void *stream) {
     if (load_err_gemm_gateup) return load_err_gemm_gateup;
     (void)dyn;
     mokgen_gemm_gateup_Tensor_a_t arg_a = {data[0], {dyn[0]}};
-    mokgen_gemm_gateup_Tensor_b0_t arg_b0 = {data[1]};
-    mokgen_gemm_gateup_Tensor_b1_t arg_b1 = {data[2]};
-    mokgen_gemm_gateup_Tensor_tile_expert_t arg_tile_expert = {data[3], {dyn[1]}};
-    mokgen_gemm_gateup_Tensor_c_t arg_c = {data[4], {dyn[2]}};
-    return cute_dsl_mokgen_gemm_gateup_wrapper(&mod_gemm_gateup, &arg_a, &arg_b0, &arg_b1, &arg_tile_expert, &arg_c, (cudaStream_t)stream);
+    mokgen_gemm_gateup_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_gateup_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_gateup_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_gateup_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_gateup_Tensor_c_t arg_c = {data[5], {dyn[3]}};
+    return cute_dsl_mokgen_gemm_gateup_wrapper(&mod_gemm_gateup, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_c, (cudaStream_t)stream);
 }
 
 /* gemm_down: gemm_down stage, gemm_down.py:main */

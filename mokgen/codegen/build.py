@@ -122,11 +122,12 @@ def _link(build: Path, kernels: list[str]) -> Path:
 
 
 def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, force: bool = False,
-          compile: bool = True, log=None) -> Path:
-    """Build (or reuse) the variant for `spec`; returns its directory."""
+          compile: bool = True, log=None, overrides: dict | None = None) -> Path:
+    """Build (or reuse) the variant for `spec`; returns its directory. `overrides`
+    replaces Plan decisions (experiments, tuning) and is recorded in the manifest."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out) if out else default_out()
-    plan: Plan = make_plan(spec)
+    plan: Plan = make_plan(spec, overrides=overrides)
     files = render(plan)
     final = out / plan.variant
     with _lock(out, plan.variant):

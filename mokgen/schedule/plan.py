@@ -28,8 +28,13 @@ WGMMA_ROWS = 64
 TILE_K = 64
 # Shared memory kept back for mbarriers and alignment padding.
 SMEM_RESERVE = 2048
+# The token count the cost model assumes when a decision depends on T (one build
+# serves every T; this only picks among legal choices).
+NOMINAL_TOKENS = 8192
 # Elements per 16-byte vector access in the SIMT kernels (bf16).
 VEC = 8
+# Routed pairs each dispatch thread ranks per step: fewer block barriers per pair.
+DISPATCH_ITEMS = 4
 BYTES = {"bf16": 2, "f32": 4, "i32": 4}
 
 
@@ -80,6 +85,7 @@ class Plan:
     steps: dict  # entry point -> ordered kernel names
     flops: str
     decisions: list = field(default_factory=list)
+    overrides: dict = field(default_factory=dict)  # decisions replaced by hand or by autotuning
 
     # ---- (de)serialisation -------------------------------------------------------
     def to_dict(self) -> dict:
@@ -116,7 +122,25 @@ class PlanError(ValueError):
 
 # ---- decisions ---------------------------------------------------------------------
 
-def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target) -> dict:
+def choose_row_tile(spec: MoESpec, target: Target) -> tuple[int, str]:
+    """The M tile shared by dispatch and the routed GEMMs: 128 (two consumer warpgroups)
+    or 64 (one). Each expert's rows are padded to a multiple of it, so few rows per
+    expert favour 64; 128 issues twice the wgmma work per CTA. Cost model: useful rows
+    over padded rows at the nominal token count, times the measured relative speed of
+    the tile (target.row_tile_efficiency)."""
+    rows = NOMINAL_TOKENS * spec.topk / spec.local_experts
+
+    def score(tile):
+        # Routed counts scatter around the mean: on average half a tile of padding each.
+        return rows / (rows + tile / 2) * target.row_tile_efficiency[tile]
+
+    best = max(sorted(target.row_tile_efficiency), key=score)
+    why = ", ".join(f"{t}: {score(t):.2f}" for t in sorted(target.row_tile_efficiency))
+    return best, f"~{rows:.0f} rows per expert at T={NOMINAL_TOKENS}; expected efficiency {why}"
+
+
+def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, tile_m: int = 128,
+                       gather_a: bool = False) -> dict:
     """Tile shape, pipeline depth, epilogue tiling and warp roles of one grouped GEMM.
 
     Persistent and warp-specialised: one producer warpgroup (TMA) and two consumer
@@ -126,8 +150,7 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target) 
     that divide N avoid partial tiles. The epilogue has its own staging buffers (the
     producer refills the A/B stages meanwhile); the A/B stages take what is left.
     """
-    mma_warpgroups = 2
-    tile_m = mma_warpgroups * WGMMA_ROWS
+    mma_warpgroups = tile_m // WGMMA_ROWS
     consumer_threads = mma_warpgroups * WARPGROUP_THREADS
     threads = consumer_threads + WARPGROUP_THREADS  # + the producer warpgroup
     num_b = 2 if epilogue == "swiglu" else 1
@@ -146,7 +169,8 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target) 
     if smem > target.smem_per_block:
         raise PlanError(f"GEMM needs {smem} B of shared memory, {target.name} offers {target.smem_per_block}")
     # setmaxnreg: the producer gives registers to the consumers (64K registers per SM).
-    producer_regs, consumer_regs = 40, 232
+    # A gathering producer keeps a token index per row it copies, so it keeps more.
+    producer_regs, consumer_regs = (56, 224) if gather_a else (40, 232)
     if producer_regs * WARPGROUP_THREADS + consumer_regs * consumer_threads > 65536:
         raise PlanError("register split exceeds the register file")
     return dict(tile_m=tile_m, tile_n=tile_n, tile_k=TILE_K, stages=stages, epi_tile=list(epi_tile),
@@ -164,7 +188,9 @@ def _expr(e) -> str:
     return str(sympy.simplify(e))
 
 
-def make_plan(spec: MoESpec, target: Target | None = None) -> Plan:
+def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | None = None) -> Plan:
+    """The Plan for `spec` on `target`. `overrides` (experiments, autotuning) replaces
+    decisions by name; the Plan records that it did."""
     target = target or target_for(spec.arch)
     if spec.world_size > 1:
         raise PlanError(
@@ -175,15 +201,11 @@ def make_plan(spec: MoESpec, target: Target | None = None) -> Plan:
     decisions: list[str] = []
     kernels: list[KernelPlan] = []
 
-    gateup = choose_gemm_tiling(I, H, "swiglu", target)
-    down = choose_gemm_tiling(H, I, "store", target)
-    row_tile = gateup["tile_m"]
-    if down["tile_m"] != row_tile:
-        raise PlanError("both routed GEMMs must share the dispatch row tile")
-    decisions.append(
-        f"row tile {row_tile}: each expert's rows start on a multiple of the GEMM M tile, "
-        f"so every M tile has one expert (at most {E} tiles of padding)"
-    )
+    row_tile, why = choose_row_tile(spec, target)
+    if overrides and "row_tile" in overrides:
+        row_tile, why = overrides["row_tile"], "set by override"
+    decisions.append(f"row tile {row_tile}: each expert's rows start on a multiple of it, so every GEMM M tile "
+                     f"has one expert; {why}")
     m_tiles = sympy.ceiling(T * K / row_tile) + E
     rows = m_tiles * row_tile
     decisions.append(f"routed M tiles bounded by ceil(T*K/{row_tile}) + E = {_expr(m_tiles)}: "
@@ -193,7 +215,7 @@ def make_plan(spec: MoESpec, target: Target | None = None) -> Plan:
         Buffer("counts", "i32", [str(E)]),
         Buffer("pos", "i32", ["T", str(K)]),
         Buffer("tile_expert", "i32", [_expr(m_tiles)]),
-        Buffer("xs", "bf16", [_expr(rows), str(H)]),
+        Buffer("row_token", "i32", [_expr(rows)]),
         Buffer("h", "bf16", [_expr(rows), str(I)]),
         Buffer("y", "bf16", [_expr(rows), str(H)]),
     ]
@@ -211,37 +233,34 @@ def make_plan(spec: MoESpec, target: Target | None = None) -> Plan:
 
     # send: count, scatter, gather
     dispatch_threads = min(1024, target.max_threads_per_block)
-    gather_threads = simt_threads(H, target)
-    dparams = dict(experts=E, topk=K, hidden=H, tile_m=row_tile, threads=dispatch_threads,
-                   gather_threads=gather_threads, vec=VEC)
+    dparams = dict(experts=E, topk=K, tile_m=row_tile, threads=dispatch_threads, items_per_thread=DISPATCH_ITEMS)
     kernels += [
         KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
                    [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E])],
                    grid=f"({E},)", block=dispatch_threads, warp_roles=["all warps: count one expert's pairs"]),
         KernelPlan("dispatch_scatter", "send", "dispatch", "dispatch.py.j2", "scatter", dparams,
                    [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
-                    KernelArg("pos", "pos", "i32", ["T", K]),
+                    KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("row_token", "row_token", "i32", ["M"]),
                     KernelArg("tile_expert", "tile_expert", "i32", ["MT"])],
                    grid=f"({E},)", block=dispatch_threads,
-                   warp_roles=["all warps: stable compaction of one expert's pairs (ballot + prefix)"]),
-        KernelPlan("dispatch_gather", "send", "dispatch", "dispatch.py.j2", "gather", dparams,
-                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("x", "x", "bf16", ["T", H]),
-                    KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("xs", "xs", "bf16", ["M", H])],
-                   grid="(T*K,)", block=gather_threads, warp_roles=["all warps: copy one token row"]),
+                   warp_roles=["all warps: stable compaction of one expert's pairs (block scan)"]),
     ]
-    decisions.append(f"dispatch: one CTA of {dispatch_threads} threads per expert; ballot-based stable "
+    decisions.append(f"dispatch: one CTA of {dispatch_threads} threads per expert; scan-based stable "
                      "compaction keeps (token, slot) order, so positions are deterministic")
 
-    def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc):
-        tl = choose_gemm_tiling(n, k, epilogue, target)
-        args = [KernelArg("a", a, "bf16", [m_sym, k])]
+    def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc, gather_a=False):
+        tl = choose_gemm_tiling(n, k, epilogue, target, row_tile, gather_a)
+        if gather_a:  # A rows gathered from the token rows through row_token
+            args = [KernelArg("a", a, "bf16", ["T", k]), KernelArg("row_token", "row_token", "i32", [m_sym])]
+        else:
+            args = [KernelArg("a", a, "bf16", [m_sym, k])]
         bshape = [groups, n, k]
         args.append(KernelArg("b0", b[0], "bf16", bshape))
         if epilogue == "swiglu":
             args.append(KernelArg("b1", b[1], "bf16", bshape))
         args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
                  KernelArg("c", c, "bf16", [m_sym, n])]
-        params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue,
+        params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
@@ -255,11 +274,14 @@ def make_plan(spec: MoESpec, target: Target | None = None) -> Plan:
                                       f"(stmatrix + TMA store), {tl['consumer_regs']} registers"],
                           smem_bytes=smem)
 
-    kernels.append(gemm("gemm_gateup", "gemm_gateup", "xs", ("w_gate", "w_up"), "h", I, H, "swiglu",
-                        "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue."))
+    kernels.append(gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
+                        "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue.",
+                        gather_a=True))
+    decisions.append("gemm_gateup gathers its A rows from x (cp.async by the producer warpgroup): "
+                     "no permuted copy of x")
     kernels.append(gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
                         "tile_expert", "M", "MT", E, "Routed down projection."))
-    forward = ["dispatch_count", "dispatch_scatter", "dispatch_gather", "gemm_gateup", "gemm_down"]
+    forward = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"]
     if S:
         s_tiles = sympy.ceiling(T / row_tile)
         buffers += [Buffer("shared_tiles", "i32", [_expr(s_tiles)], init="zeros"),
@@ -301,6 +323,7 @@ def make_plan(spec: MoESpec, target: Target | None = None) -> Plan:
         steps={"forward": forward, "route": ["route"]},
         flops=str(graph.flops()),
         decisions=decisions,
+        overrides=dict(overrides or {}),
     )
     check_plan(plan, graph)
     return plan

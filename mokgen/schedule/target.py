@@ -21,6 +21,8 @@ class Target:
     gemm_ceiling_tflops: float  # CuTe-DSL Hopper persistent GEMM, the practical ceiling
     copy_gbs: float  # device-to-device copy, bytes read + written
     nvlink_peer_gbs: float  # one peer, symmetric-memory copy
+    # Relative GEMM speed by M tile (128: two consumer warpgroups; 64: one), estimated.
+    row_tile_efficiency: dict = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -37,6 +39,7 @@ H200 = Target(
     gemm_ceiling_tflops=916.0,
     copy_gbs=4245.0,
     nvlink_peer_gbs=373.0,
+    row_tile_efficiency={64: 0.8, 128: 1.0},
 )
 
 TARGETS = {"sm_90a": H200}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
+# Usage: bash benchmarks/gpu_session.sh [tests] [bench] [profile VARIANT T] [bench-exp DIR VARIANT T]
+set -uo pipefail
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-bench-out}; mkdir -p "$OUT"
+B="timeout 200 python3 -m mokgen.cli bench"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    tests) timeout 300 python3 -m pytest tests/ -q --timeout=120 2>&1 | tee "$OUT/tests.log" | tail -3; shift ;;
+    bench)
+      $B --tokens 1024,4096,16384 --json "$OUT/e64.json" 2>&1 | tail -13 | tee "$OUT/bench.log"
+      $B --variant e128_k8_h2048_i768_bf16_sm90a --tokens 16384 --baselines torch_grouped_mm --json "$OUT/e128.json" 2>&1 | tail -4 | tee -a "$OUT/bench.log"
+      $B --variant e256_k8_h7168_i2048_bf16_sm90a --tokens 8192 --baselines torch_grouped_mm --json "$OUT/e256.json" 2>&1 | tail -4 | tee -a "$OUT/bench.log"
+      shift ;;
+    profile) timeout 90 python3 benchmarks/profile_stages.py "$2" "$3" 2>&1 | grep -E "kernel_|Name" | cut -c1-62,150-200 | tee -a "$OUT/prof.log"; shift 3 ;;
+    bench-exp) MOKGEN_HOME=$2 $B --variant "$3" --tokens "$4" --baselines torch_grouped_mm --json "$OUT/exp-$(basename $2)-$3.json" 2>&1 | tail -4 | tee -a "$OUT/bench.log"; shift 4 ;;
+    *) echo "unknown step $1"; exit 2 ;;
+  esac
+done
