@@ -70,3 +70,11 @@ def test_tiling_decisions():
     assert t["tile_n"] == 256
     assert choose_gemm_tiling(640, 1536, "swiglu", H200)["tile_n"] == 128
     assert choose_gemm_tiling(1536 + 64, 640, "store", H200)["tile_n"] == 64
+
+
+def test_gather_lag_that_would_deadlock_is_refused():
+    spec = PRESETS["olmoe"]
+    stages = make_plan(spec).kernel("gemm_gateup").params["stages"]
+    assert 1 <= make_plan(spec).kernel("gemm_gateup").params["gather_lag"] <= stages - 2
+    with pytest.raises(PlanError, match="deadlock"):
+        make_plan(spec, overrides={"gemm_gateup.gather_lag": stages - 1})

@@ -11,8 +11,8 @@ padded to a multiple of 128), with e = tile_expert[m] (-1: unused, and so are al
 Shapes: A [M, 1024], B* [64, 2048, 1024], C [M, 2048], M symbolic.
 
 Persistent grid of min(132, tiles) CTAs; CTA i takes tiles i, i + grid, ... of the
-(M tile, N tile) grid in M-major order, so CTAs running together share the
-expert's weights in L2. Warp roles (384 threads):
+(M tile, N tile) grid in M-major order (CTAs running together share an A tile and
+the expert's weights in L2). Warp roles (384 threads):
   warpgroup 0        producer: warp 0 issues the TMA loads of A and B into a
                      4-stage shared-memory pipeline (full/empty mbarriers);
                      registers lowered to 40 (setmaxnreg).
@@ -48,6 +48,7 @@ WG_THREADS = 128
 CONSUMER_THREADS = MMA_WARPGROUPS * WG_THREADS
 N_TILES = (N_SIZE + TILE_MNK[1] - 1) // TILE_MNK[1]
 GATHER_A = False
+GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
 EPILOGUE_BARRIER = 1
 
@@ -152,7 +153,8 @@ class GemmDown:
         grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
-        total_tiles = tile_expert.shape[0] * N_TILES
+        m_tiles_total = tile_expert.shape[0]
+        total_tiles = m_tiles_total * N_TILES
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -257,7 +259,7 @@ class GemmDown:
                 n_tile = tile % N_TILES
                 expert = tile_expert[m_tile]
                 if expert < 0:
-                    tile = total_tiles
+                    tile = total_tiles  # unused tiles come last: done
                 else:
                     acc0.fill(0.0)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)

@@ -13,8 +13,8 @@ A is gathered, never stored: row r of A is x[row_token[r]] (x [T, 2048]; row_tok
 padding rows, which load x[0] and whose results nobody reads).
 
 Persistent grid of min(132, tiles) CTAs; CTA i takes tiles i, i + grid, ... of the
-(M tile, N tile) grid in M-major order, so CTAs running together share the
-expert's weights in L2. Warp roles (384 threads):
+(M tile, N tile) grid in M-major order (CTAs running together share an A tile and
+the expert's weights in L2). Warp roles (384 threads):
   warpgroup 0        producer: warp 0 issues the TMA loads of B; all 128 threads gather
                      the A rows with cp.async (16 bytes each) into the swizzled A stage.
                      Each warp, once its copies of a stage have landed (cp.async.wait_group),
@@ -53,6 +53,7 @@ WG_THREADS = 128
 CONSUMER_THREADS = MMA_WARPGROUPS * WG_THREADS
 N_TILES = (N_SIZE + TILE_MNK[1] - 1) // TILE_MNK[1]
 GATHER_A = True
+GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
 EPILOGUE_BARRIER = 1
 
@@ -164,7 +165,8 @@ class GemmGateup:
         grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
-        total_tiles = tile_expert.shape[0] * N_TILES
+        m_tiles_total = tile_expert.shape[0]
+        total_tiles = m_tiles_total * N_TILES
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b0)
@@ -226,8 +228,7 @@ class GemmGateup:
             row0 = tidx // 8
             full = ab_pipeline.sync_object_full
             prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-            prev_index = cutlass.Int32(0)
-            has_prev = cutlass.Int32(0)
+            inflight = cutlass.Int32(0)  # committed stages whose full barrier has no arrive from this warp yet
             tile = cta
             while tile < total_tiles:
                 m_tile = tile // N_TILES
@@ -251,23 +252,27 @@ class GemmGateup:
                             src = cute.local_tile(mX, (1, VEC), (tokens[j], kt * (TILE_MNK[2] // VEC) + col))
                             cute.copy(gather_atom, src[(0, None)], tAsA[(None, j, 0, prod_state.index)])
                         cute.arch.cp_async_commit_group()
-                        # The stage before this one has landed once at most one group is pending.
-                        if has_prev == 1:
-                            cute.arch.cp_async_wait_group(1)
+                        inflight = inflight + 1
+                        # Up to GATHER_LAG stages of gathers stay in flight; then the oldest is
+                        # waited for, made visible to the async proxy (wgmma) and released.
+                        # GATHER_LAG <= STAGES - 2 (the Plan checks): consumers free stage s
+                        # only once stage s + 1 is full, so more would deadlock.
+                        if inflight > GATHER_LAG:
+                            cute.arch.cp_async_wait_group(GATHER_LAG)
                             cute.arch.fence_proxy("async.shared", space="cta")
                             cute.arch.sync_warp()
                             if lane == 0:
-                                cute.arch.mbarrier_arrive(full.get_barrier(prev_index))
-                        prev_index = prod_state.index
-                        has_prev = cutlass.Int32(1)
+                                oldest = (prod_state.index + STAGES - GATHER_LAG) % STAGES
+                                cute.arch.mbarrier_arrive(full.get_barrier(oldest))
+                            inflight = inflight - 1
                         prod_state.advance()
                     tile = tile + grid
-            if has_prev == 1:
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_warp()
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(full.get_barrier(prev_index))
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            if lane == 0:
+                for d in cutlass.range(inflight, unroll=1):
+                    cute.arch.mbarrier_arrive(full.get_barrier((prod_state.index + STAGES - inflight + d) % STAGES))
             if warp_idx == 0:
                 ab_pipeline.producer_tail(prod_state)
         else:
@@ -313,7 +318,7 @@ class GemmGateup:
                 n_tile = tile % N_TILES
                 expert = tile_expert[m_tile]
                 if expert < 0:
-                    tile = total_tiles
+                    tile = total_tiles  # unused tiles come last: done
                 else:
                     acc0.fill(0.0)
                     acc1.fill(0.0)

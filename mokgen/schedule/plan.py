@@ -260,7 +260,17 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             args.append(KernelArg("b1", b[1], "bf16", bshape))
         args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
                  KernelArg("c", c, "bf16", [m_sym, n])]
-        params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a,
+        raster = (overrides or {}).get(f"{name}.raster", "m")
+        # Gathered A stages a producer warp keeps in flight before releasing the oldest.
+        # The consumers release a stage only after the next one is full (one wgmma batch
+        # stays in flight), so the producer may hold at most stages - 2 un-released
+        # stages; one more and producer and consumers wait on each other forever.
+        # Measured on H200 (E64 K8 H2048 I1024, T=16384): lag 2 was no faster than lag 1
+        # (3.14 vs 3.12 ms), so the default keeps the shallower, simpler one.
+        gather_lag = (overrides or {}).get(f"{name}.gather_lag", 1)
+        if not 1 <= gather_lag <= tl["stages"] - 2:
+            raise PlanError(f"{name}: gather lag {gather_lag} must be in [1, stages - 2] (deadlock otherwise)")
+        params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster, gather_lag=gather_lag,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
