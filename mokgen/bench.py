@@ -116,7 +116,6 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
             rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=err,
                              routing=routing))
             log(f"  {variant.name} T={T} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, rel_err {err:.2e}")
-        del x, ids, w, wg, wu, wd
         torch.cuda.empty_cache()
     base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
     for r in rows:

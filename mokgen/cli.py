@@ -167,6 +167,39 @@ def verify(variant, tokens, routing):
 
 
 @main.command()
+@click.argument("variant")
+@click.option("--prepare", is_flag=True, help="Build the candidates (needs nvidia-cutlass-dsl, no GPU).")
+@click.option("--tokens", default="4096,16384", help="Comma-separated token counts to time (GPU step).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None)
+def tune(variant, prepare, tokens, out):
+    """Autotune a variant: --prepare builds candidate Plans, then (on the GPU) time them
+    and record the winner; the next `mokgen build` applies it."""
+    from .codegen import default_out
+    from .tune import prepare as do_prepare, run as do_run
+
+    out = out or default_out()
+    path = _resolve_variant(variant)
+    spec = MoESpec.from_dict(json.loads((path / "manifest.json").read_text())["spec"]) \
+        if (path / "manifest.json").exists() else PRESETS[variant]
+    if prepare:
+        do_prepare(spec, out, log=click.echo)
+        click.echo(f"prepared; now run `mokgen tune {spec.variant}` on the GPU")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        fail("tuning needs a CUDA GPU (use --prepare to build the candidates here)", code=1)
+    try:
+        toks = [int(t) for t in tokens.split(",")]
+    except ValueError:
+        fail(f"--tokens must be comma-separated integers, got {tokens!r}")
+    try:
+        do_run(spec, out, toks, log=click.echo)
+    except FileNotFoundError as e:
+        fail(str(e), code=1)
+
+
+@main.command()
 @spec_options
 @click.option("--variant", "variant_name", default=None, help="Bench a built variant instead of --preset/flags.")
 @click.option("--tokens", default="4096,16384", help="Comma-separated token counts.")

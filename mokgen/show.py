@@ -18,7 +18,7 @@ def format_plan(plan: dict) -> str:
         f"shared={s['shared_intermediate']} {s['dtype']} world={s['world_size']} ({s['topology']})",
         f"target    {t['name']} {t['arch']}: {t['sms']} SMs, {t['smem_per_block'] // 1024} KiB smem/block",
         f"FLOPs     {plan['flops']} (routed forward)",
-        f"SM roles  " + ", ".join(f"{k}: {v}" for k, v in plan["sm_roles"].items()),
+        "SM roles  " + ", ".join(f"{k}: {v}" for k, v in plan["sm_roles"].items()),
         f"queues    {len(plan['queues']) or 'none (one GPU)'}",
         f"reduction {plan['reduction_order']}",
         "",

@@ -78,3 +78,33 @@ def test_gather_lag_that_would_deadlock_is_refused():
     assert 1 <= make_plan(spec).kernel("gemm_gateup").params["gather_lag"] <= stages - 2
     with pytest.raises(PlanError, match="deadlock"):
         make_plan(spec, overrides={"gemm_gateup.gather_lag": stages - 1})
+
+
+def test_overrides_are_checked_and_recorded():
+    spec = PRESETS["olmoe"]
+    p = make_plan(spec, overrides={"gemm_down.tile_n": 128}, override_source="a test")
+    assert p.kernel("gemm_down").params["tile_n"] == 128 and p.overrides == {"gemm_down.tile_n": 128}
+    assert any("from a test" in d for d in p.decisions)
+    for bad in ({"gemm_down.tile_m": 64}, {"gemm_down.raster": "x"}, {"row_tile": 96}, {"gemm_gateup.tile_n": 256}):
+        with pytest.raises(PlanError):
+            make_plan(spec, overrides=bad)
+
+
+def test_tuning_candidates_and_record(tmp_path):
+    import json
+
+    from mokgen.codegen.build import resolve_plan
+    from mokgen.tune import candidates, record_path, winner
+
+    spec = PRESETS["olmoe"]
+    cands = candidates(spec)
+    assert cands[0] == {} and len(cands) == len({json.dumps(c, sort_keys=True) for c in cands})
+    for c in cands:
+        make_plan(spec, overrides=c)  # every candidate is a legal Plan
+    assert winner(tmp_path, spec) is None and resolve_plan(spec, tmp_path).overrides == {}
+    path = record_path(tmp_path, spec.variant)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(dict(format=1, spec=spec.to_dict(), winner=cands[1], device="H200", tokens=[4096])))
+    plan = resolve_plan(spec, tmp_path)
+    assert plan.overrides == cands[1] and any("tuning/" in d for d in plan.decisions)
+    assert resolve_plan(spec, tmp_path, overrides={}).overrides == {}

@@ -121,13 +121,26 @@ def _link(build: Path, kernels: list[str]) -> Path:
     return out
 
 
+def resolve_plan(spec: MoESpec, out: Path, overrides: dict | None = None) -> Plan:
+    """The Plan a build uses: explicit overrides if given, else the winner of the
+    variant's tuning record in `out` if there is one, else the cost model's."""
+    if overrides is None:
+        from ..tune import winner
+
+        tuned = winner(out, spec)
+        if tuned:
+            return make_plan(spec, overrides=tuned[0], override_source=tuned[1])
+    return make_plan(spec, overrides=overrides)
+
+
 def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, force: bool = False,
           compile: bool = True, log=None, overrides: dict | None = None) -> Path:
     """Build (or reuse) the variant for `spec`; returns its directory. `overrides`
-    replaces Plan decisions (experiments, tuning) and is recorded in the manifest."""
+    replaces Plan decisions (experiments, tuning; None: the tuning record's winner, if
+    any) and is recorded in the manifest."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out) if out else default_out()
-    plan: Plan = make_plan(spec, overrides=overrides)
+    plan: Plan = resolve_plan(spec, out, overrides)
     files = render(plan)
     final = out / plan.variant
     with _lock(out, plan.variant):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 
 import sympy
@@ -140,7 +141,7 @@ def choose_row_tile(spec: MoESpec, target: Target) -> tuple[int, str]:
 
 
 def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, tile_m: int = 128,
-                       gather_a: bool = False) -> dict:
+                       gather_a: bool = False, tile_n: int | None = None) -> dict:
     """Tile shape, pipeline depth, epilogue tiling and warp roles of one grouped GEMM.
 
     Persistent and warp-specialised: one producer warpgroup (TMA) and two consumer
@@ -156,7 +157,10 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, 
     num_b = 2 if epilogue == "swiglu" else 1
     acc_budget = 128 * consumer_threads  # fp32 accumulators the CTA may hold
     candidates = [n for n in (256, 128, 64) if tile_m * n * num_b <= acc_budget]
-    tile_n = next((n for n in candidates if n_size % n == 0), candidates[-1])
+    if tile_n is None:
+        tile_n = next((n for n in candidates if n_size % n == 0), candidates[-1])
+    elif tile_n not in candidates:
+        raise PlanError(f"N tile {tile_n} does not fit the accumulator budget (legal: {candidates})")
     epi_tile = (tile_m, 32)
     epi_stages = 4
     epi_bytes = epi_tile[0] * epi_tile[1] * 2 * epi_stages
@@ -178,6 +182,15 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, 
                 producer_regs=producer_regs, consumer_regs=consumer_regs, smem_bytes=smem)
 
 
+TUNABLE = ("row_tile", "{gemm}.tile_n", "{gemm}.raster", "{gemm}.gather_lag")
+
+
+def tile_n_choices(epilogue: str, tile_m: int = 128) -> list[int]:
+    """N tiles that fit the accumulator budget (what an autotuner may try)."""
+    num_b = 2 if epilogue == "swiglu" else 1
+    return [n for n in (256, 128, 64) if tile_m * n * num_b <= 128 * (tile_m // WGMMA_ROWS) * WARPGROUP_THREADS]
+
+
 def simt_threads(columns: int, target: Target, cap: int = 256) -> int:
     """Threads of a row-copying CTA: one thread per 16-byte vector, whole warps, capped."""
     vecs = max(1, columns // VEC)
@@ -188,10 +201,12 @@ def _expr(e) -> str:
     return str(sympy.simplify(e))
 
 
-def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | None = None) -> Plan:
+def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | None = None,
+              override_source: str = "") -> Plan:
     """The Plan for `spec` on `target`. `overrides` (experiments, autotuning) replaces
-    decisions by name; the Plan records that it did."""
+    decisions by name; the Plan records that it did, and where they came from."""
     target = target or target_for(spec.arch)
+    check_overrides(overrides or {})
     if spec.world_size > 1:
         raise PlanError(
             f"world_size={spec.world_size}: expert parallelism is not generated yet; build with world_size 1"
@@ -200,6 +215,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
     decisions: list[str] = []
     kernels: list[KernelPlan] = []
+    if overrides:
+        decisions.append(f"overrides {json.dumps(overrides, sort_keys=True)}" +
+                         (f" from {override_source}" if override_source else ""))
 
     row_tile, why = choose_row_tile(spec, target)
     if overrides and "row_tile" in overrides:
@@ -249,7 +267,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                      "compaction keeps (token, slot) order, so positions are deterministic")
 
     def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc, gather_a=False):
-        tl = choose_gemm_tiling(n, k, epilogue, target, row_tile, gather_a)
+        tl = choose_gemm_tiling(n, k, epilogue, target, row_tile, gather_a,
+                                (overrides or {}).get(f"{name}.tile_n"))
         if gather_a:  # A rows gathered from the token rows through row_token
             args = [KernelArg("a", a, "bf16", ["T", k]), KernelArg("row_token", "row_token", "i32", [m_sym])]
         else:
@@ -337,6 +356,22 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     )
     check_plan(plan, graph)
     return plan
+
+
+OVERRIDE_KEYS = re.compile(r"row_tile|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster)"
+                           r"|gemm_gateup\.gather_lag")
+
+
+def check_overrides(overrides: dict) -> None:
+    """Overrides name real decisions with legal values: a typo is an error, never ignored."""
+    for key, value in overrides.items():
+        if not OVERRIDE_KEYS.fullmatch(key):
+            raise PlanError(f"unknown plan override {key!r}")
+        if key.endswith(".raster") and value not in ("m", "n"):
+            raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
+        if (key == "row_tile" and value not in (64, 128)) or (
+                not key.endswith(".raster") and (isinstance(value, bool) or not isinstance(value, int))):
+            raise PlanError(f"illegal value {value!r} for plan override {key!r}")
 
 
 def check_plan(plan: Plan, graph: Graph) -> None:

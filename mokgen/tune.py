@@ -1,0 +1,117 @@
+"""Autotuning: a short, recorded search over the Plan decisions the cost model is
+least sure of, timed on the GPU, applied by the next build.
+
+    mokgen tune VARIANT --prepare      (where CuTe-DSL is installed) build the candidates
+    mokgen tune VARIANT                (on the GPU) time them, write the record
+    mokgen build ...                   applies the record's winner; the manifest names it
+
+A candidate is the default Plan with one decision changed (coordinate search: few
+candidates, each a full variant under <out>/tuning/<variant>/c<i>/). The record,
+<out>/tuning/<variant>.json, holds every candidate's times, the device and the
+winner: the same record always gives the same Plan, so a tuned build is reproducible.
+Each candidate's output is checked against the default's before it may win.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .ir import MoESpec
+from .schedule import make_plan
+from .schedule.plan import tile_n_choices
+
+RECORD_FORMAT = 1
+
+
+def tuning_dir(out: Path, variant: str) -> Path:
+    return Path(out) / "tuning" / variant
+
+
+def record_path(out: Path, variant: str) -> Path:
+    return Path(out) / "tuning" / f"{variant}.json"
+
+
+def candidates(spec: MoESpec) -> list[dict]:
+    """The default ({}) first, then one changed decision at a time, in a fixed order."""
+    plan = make_plan(spec)
+    out: list[dict] = [{}]
+    for k in plan.kernels:
+        if k.template != "grouped_gemm_persistent.py.j2" or not k.params.get("groups", 0) > 1:
+            continue  # the routed GEMMs only
+        p = k.params
+        for n in tile_n_choices(p["epilogue"], p["tile_m"]):
+            if n != p["tile_n"] and n >= 64 and p["n_size"] % n == 0:
+                out.append({f"{k.name}.tile_n": n})
+        out.append({f"{k.name}.raster": "n" if p["raster"] == "m" else "m"})
+        if p.get("gather_a") and p["stages"] - 2 > p["gather_lag"]:
+            out.append({f"{k.name}.gather_lag": p["gather_lag"] + 1})
+    return out
+
+
+def prepare(spec: MoESpec, out: Path, log=print) -> list[Path]:
+    """Build every candidate (needs CuTe-DSL, no GPU)."""
+    from .codegen import build
+
+    dirs = []
+    cands = candidates(spec)
+    for i, ov in enumerate(cands):
+        log(f"[{i + 1}/{len(cands)}] candidate c{i}: {ov or 'default plan'}")
+        dirs.append(build(spec, tuning_dir(out, spec.variant) / f"c{i}", overrides=ov, log=lambda m: None))
+    (tuning_dir(out, spec.variant) / "candidates.json").write_text(json.dumps(cands, indent=1))
+    return dirs
+
+
+def run(spec: MoESpec, out: Path, tokens: list[int], log=print) -> dict:
+    """Time every prepared candidate on this GPU; write and return the record."""
+    import torch
+
+    from .bench import time_ms
+    from .reference import rel_error
+    from .runtime import Variant
+    from .verify import make_inputs
+
+    root = tuning_dir(out, spec.variant)
+    listing = root / "candidates.json"
+    if not listing.exists():
+        raise FileNotFoundError(f"no prepared candidates in {root}: run `mokgen tune {spec.variant} --prepare` "
+                                "where nvidia-cutlass-dsl is installed")
+    cands = json.loads(listing.read_text())
+    inputs = {T: make_inputs(spec, T, "uniform", torch.Generator("cuda").manual_seed(T)) for T in tokens}
+    check = make_inputs(spec, 1000, "skewed", torch.Generator("cuda").manual_seed(7))
+    results, base_out = [], None
+    for i, ov in enumerate(cands):
+        v = Variant(root / f"c{i}" / spec.variant)
+        x, ids, w, wg, wu, wd, (sg, su, sd) = check
+        got = v.forward(x, ids, w, wg, wu, wd, sg, su, sd)
+        if base_out is None:
+            base_out = got
+        err = rel_error(got, base_out)
+        ms = {}
+        for T, (x, ids, w, wg, wu, wd, (sg, su, sd)) in inputs.items():
+            ms[str(T)] = time_ms(lambda: v.forward(x, ids, w, wg, wu, wd, sg, su, sd), 5, 20)
+        ok = err < 1e-2
+        score = math.exp(sum(math.log(t) for t in ms.values()) / len(ms))
+        results.append(dict(overrides=ov, ms=ms, score_ms=score, agrees_with_default=ok, rel_diff=err))
+        log(f"[{i + 1}/{len(cands)}] {ov or 'default plan'}: " + ", ".join(f"T={T} {t:.3f} ms" for T, t in ms.items())
+            + ("" if ok else f"  DISAGREES with the default (rel diff {err:.2e}): not eligible"))
+    eligible = [r for r in results if r["agrees_with_default"]]
+    best = min(eligible, key=lambda r: r["score_ms"])
+    record = dict(format=RECORD_FORMAT, variant=spec.variant, spec=spec.to_dict(), tokens=tokens,
+                  device=torch.cuda.get_device_name(), torch=torch.__version__, candidates=results,
+                  winner=best["overrides"])
+    path = record_path(out, spec.variant)
+    path.write_text(json.dumps(record, indent=1, sort_keys=True))
+    log(f"winner: {best['overrides'] or 'default plan'} ({best['score_ms']:.3f} ms geometric mean); wrote {path}")
+    return record
+
+
+def winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
+    """The recorded winner for this spec, if a tuning record exists: (overrides, source)."""
+    path = record_path(out, spec.variant)
+    if not path.exists():
+        return None
+    rec = json.loads(path.read_text())
+    if rec.get("format") != RECORD_FORMAT or rec.get("spec") != spec.to_dict():
+        return None
+    return rec["winner"], f"tuning/{spec.variant}.json ({rec['device']}, T={rec['tokens']})"
