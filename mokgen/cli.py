@@ -23,6 +23,17 @@ def fail(msg: str, code: int = 2):
     sys.exit(code)
 
 
+def parse_tokens(text: str) -> list[int]:
+    """--tokens: comma-separated non-negative integers."""
+    try:
+        toks = [int(t) for t in text.split(",")]
+    except ValueError:
+        fail(f"--tokens must be comma-separated integers, got {text!r}")
+    if any(t < 0 for t in toks):
+        fail(f"--tokens must be non-negative, got {text!r}")
+    return toks
+
+
 def spec_options(fn):
     """Every MoESpec field as a flag; unset flags take the preset's value."""
     opts = [
@@ -148,12 +159,9 @@ def verify(variant, tokens, routing):
     from . import load
     from .verify import TOLERANCE, check_forward
 
+    toks = parse_tokens(tokens)
     if not torch.cuda.is_available():
         fail("verify needs a CUDA GPU", code=1)
-    try:
-        toks = [int(t) for t in tokens.split(",")]
-    except ValueError:
-        fail(f"--tokens must be comma-separated integers, got {tokens!r}")
     v = load(_resolve_variant(variant))
     bad = 0
     for r in routing.split(","):
@@ -187,12 +195,9 @@ def tune(variant, prepare, tokens, out):
         return
     import torch
 
+    toks = parse_tokens(tokens)
     if not torch.cuda.is_available():
         fail("tuning needs a CUDA GPU (use --prepare to build the candidates here)", code=1)
-    try:
-        toks = [int(t) for t in tokens.split(",")]
-    except ValueError:
-        fail(f"--tokens must be comma-separated integers, got {tokens!r}")
     try:
         do_run(spec, out, toks, log=click.echo)
     except FileNotFoundError as e:
@@ -213,12 +218,9 @@ def bench(spec, variant_name, tokens, baselines, json_path):
     from . import load
     from .bench import run
 
+    toks = parse_tokens(tokens)
     if not torch.cuda.is_available():
         fail("bench needs a CUDA GPU", code=1)
-    try:
-        toks = [int(t) for t in tokens.split(",")]
-    except ValueError:
-        fail(f"--tokens must be comma-separated integers, got {tokens!r}")
     v = load(_resolve_variant(variant_name)) if variant_name else load(spec)
     run([v], toks, json_path, tuple(b.strip() for b in baselines.split(",")), log=click.echo)
 

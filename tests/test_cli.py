@@ -41,3 +41,9 @@ def test_console_script_formats_usage_errors(tmp_path):
                        capture_output=True, text=True)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "mokgen: error:" in p.stderr
+
+
+def test_bad_token_lists_exit_2_before_any_gpu_work():
+    for args in (["verify", "olmoe", "--tokens", "1,x"], ["bench", "--tokens", "-5"], ["tune", "olmoe", "--tokens", "a"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2, (args, r.output)
