@@ -144,3 +144,45 @@ def test_torch_compile_fake(gen):
         return v.ops.forward(x, ids, w, wg, wu, wd) * 2
 
     assert torch.equal(f(x, ids, w), v.forward(x, ids, w, wg, wu, wd) * 2)
+
+
+# A debug build whose gate/up pipeline deadlocks (the gather releases its stages too late,
+# past the bound the Plan normally enforces) and whose waits give up after half a second.
+DEADLOCK_OVERRIDES = {"debug_unchecked": True, "gemm_gateup.gather_lag": 3, "wait_timeout_ms": 500}
+
+
+def deadlock_dir():
+    from mokgen.codegen import default_out
+
+    return default_out() / "debug" / "deadlock"
+
+
+def test_a_deadlocked_kernel_fails_fast_instead_of_hanging():
+    import subprocess
+    import sys
+    import time
+
+    path = deadlock_dir() / spec_of(SHAPES[0]).variant
+    if not (path / "build" / "libmokgen.so").exists():
+        from conftest import HAS_CUTLASS
+
+        if not HAS_CUTLASS:
+            pytest.skip("debug variant not built: run benchmarks/build_gpu_variants.py where CuTe-DSL is installed")
+        from mokgen.codegen import build
+
+        build(spec_of(SHAPES[0]), deadlock_dir(), overrides=DEADLOCK_OVERRIDES, log=lambda m: None)
+    code = (
+        "import torch, mokgen\n"
+        "from mokgen.verify import make_inputs\n"
+        f"v = mokgen.load({str(path)!r})\n"
+        "x, ids, w, wg, wu, wd, _ = make_inputs(v.spec, 4096, 'uniform')\n"
+        "v.forward(x, ids, w, wg, wu, wd)\n"
+        "torch.cuda.synchronize()\n"
+        "print('finished')\n"
+    )
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    elapsed = time.time() - t0
+    assert p.returncode != 0 and "finished" not in p.stdout, "the deadlocked kernel completed?"
+    assert "CUDA error" in p.stderr or "AcceleratorError" in p.stderr, p.stderr[-2000:]
+    assert elapsed < 60, f"took {elapsed:.0f}s to fail"

@@ -51,6 +51,30 @@ GATHER_A = False
 GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
 EPILOGUE_BARRIER = 1
+WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: trap, never hang
+
+
+@cute.jit
+def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32):
+    """Wait for an mbarrier phase, but never forever: after WAIT_TIMEOUT_NS the thread
+    traps, so the launch fails with a CUDA error instead of hanging the GPU."""
+    done = cute.arch.mbarrier_try_wait(barrier, phase)
+    if not done:
+        start = cute.arch.globaltimer()
+        while not done:
+            done = cute.arch.mbarrier_try_wait(barrier, phase)
+            if not done:
+                if cute.arch.globaltimer() - start > WAIT_TIMEOUT_NS:
+                    # No printf here: its argument buffer would put local memory in the kernel.
+                    cute.arch.inline_ptx("trap;")
+
+
+@cute.jit
+def producer_tail_bounded(ab_pipeline, state):
+    """Before the producer leaves, every stage it filled has been released (bounded wait)."""
+    for _ in cutlass.range_constexpr(STAGES):
+        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(state.index), state.phase)
+        state.advance()
 
 
 class GemmDown:
@@ -210,14 +234,15 @@ class GemmDown:
                         tile = total_tiles  # unused tiles come last: done
                     else:
                         for kt in cutlass.range(k_tiles, unroll=1):
-                            ab_pipeline.producer_acquire(prod_state)
+                            wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase)
+                            ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
                             bar = ab_pipeline.producer_get_barrier(prod_state)
                             cute.copy(tma_a, tAgA[(None, m_tile, kt, 0)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
                             cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
                             ab_pipeline.producer_commit(prod_state)
                             prod_state.advance()
                         tile = tile + grid
-                ab_pipeline.producer_tail(prod_state)
+                producer_tail_bounded(ab_pipeline, prod_state)
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -264,7 +289,7 @@ class GemmDown:
                     acc0.fill(0.0)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     for kt in cutlass.range(k_tiles, unroll=1):
-                        ab_pipeline.consumer_wait(read_state)
+                        wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase)
                         cute.nvgpu.warpgroup.fence()
                         for kb in cutlass.range(k_blocks, unroll_full=True):
                             coord = (None, None, kb, read_state.index)

@@ -56,6 +56,30 @@ GATHER_A = True
 GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
 EPILOGUE_BARRIER = 1
+WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: trap, never hang
+
+
+@cute.jit
+def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32):
+    """Wait for an mbarrier phase, but never forever: after WAIT_TIMEOUT_NS the thread
+    traps, so the launch fails with a CUDA error instead of hanging the GPU."""
+    done = cute.arch.mbarrier_try_wait(barrier, phase)
+    if not done:
+        start = cute.arch.globaltimer()
+        while not done:
+            done = cute.arch.mbarrier_try_wait(barrier, phase)
+            if not done:
+                if cute.arch.globaltimer() - start > WAIT_TIMEOUT_NS:
+                    # No printf here: its argument buffer would put local memory in the kernel.
+                    cute.arch.inline_ptx("trap;")
+
+
+@cute.jit
+def producer_tail_bounded(ab_pipeline, state):
+    """Before the producer leaves, every stage it filled has been released (bounded wait)."""
+    for _ in cutlass.range_constexpr(STAGES):
+        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(state.index), state.phase)
+        state.advance()
 
 
 class GemmGateup:
@@ -242,12 +266,13 @@ class GemmGateup:
                         tokens[j] = cutlass.max(tok, 0)  # padding rows (-1) load row 0
                     for kt in cutlass.range(k_tiles, unroll=1):
                         if warp_idx == 0:
-                            ab_pipeline.producer_acquire(prod_state)
+                            wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase)
+                            ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
                             bar = ab_pipeline.producer_get_barrier(prod_state)
                             cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
                             cute.copy(tma_b1, tBgB1[(None, n_tile, kt, expert)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar)
                         else:
-                            ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                            wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase)
                         for j in cutlass.range_constexpr(rows_per_thread):
                             src = cute.local_tile(mX, (1, VEC), (tokens[j], kt * (TILE_MNK[2] // VEC) + col))
                             cute.copy(gather_atom, src[(0, None)], tAsA[(None, j, 0, prod_state.index)])
@@ -274,7 +299,7 @@ class GemmGateup:
                 for d in cutlass.range(inflight, unroll=1):
                     cute.arch.mbarrier_arrive(full.get_barrier((prod_state.index + STAGES - inflight + d) % STAGES))
             if warp_idx == 0:
-                ab_pipeline.producer_tail(prod_state)
+                producer_tail_bounded(ab_pipeline, prod_state)
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -324,7 +349,7 @@ class GemmGateup:
                     acc1.fill(0.0)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     for kt in cutlass.range(k_tiles, unroll=1):
-                        ab_pipeline.consumer_wait(read_state)
+                        wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase)
                         cute.nvgpu.warpgroup.fence()
                         for kb in cutlass.range(k_blocks, unroll_full=True):
                             coord = (None, None, kb, read_state.index)

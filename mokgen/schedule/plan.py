@@ -32,6 +32,9 @@ SMEM_RESERVE = 2048
 # The token count the cost model assumes when a decision depends on T (one build
 # serves every T; this only picks among legal choices).
 NOMINAL_TOKENS = 8192
+# A kernel's pipeline wait that lasts longer than this is a bug (a deadlock): the
+# kernel traps, and the launch fails with a CUDA error instead of hanging forever.
+WAIT_TIMEOUT_MS = 10_000
 # Elements per 16-byte vector access in the SIMT kernels (bf16).
 VEC = 8
 # Routed pairs each dispatch thread ranks per step: fewer block barriers per pair.
@@ -287,9 +290,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         # Measured on H200 (E64 K8 H2048 I1024, T=16384): lag 2 was no faster than lag 1
         # (3.14 vs 3.12 ms), so the default keeps the shallower, simpler one.
         gather_lag = (overrides or {}).get(f"{name}.gather_lag", 1)
-        if not 1 <= gather_lag <= tl["stages"] - 2:
+        if not 1 <= gather_lag <= tl["stages"] - 2 and not (overrides or {}).get("debug_unchecked"):
             raise PlanError(f"{name}: gather lag {gather_lag} must be in [1, stages - 2] (deadlock otherwise)")
-        params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster, gather_lag=gather_lag,
+        params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster,
+                      wait_timeout_ns=int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000, gather_lag=gather_lag,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
@@ -358,8 +362,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     return plan
 
 
-OVERRIDE_KEYS = re.compile(r"row_tile|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster)"
-                           r"|gemm_gateup\.gather_lag")
+# debug_unchecked skips the safety checks (tests inject a deadlock with it).
+OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked"
+                           r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster)|gemm_gateup\.gather_lag")
 
 
 def check_overrides(overrides: dict) -> None:
@@ -369,7 +374,11 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"unknown plan override {key!r}")
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
-        if (key == "row_tile" and value not in (64, 128)) or (
+        if key == "debug_unchecked":
+            if not isinstance(value, bool):
+                raise PlanError("debug_unchecked must be true or false")
+            continue
+        if (key == "row_tile" and value not in (64, 128)) or (key == "wait_timeout_ms" and value < 1) or (
                 not key.endswith(".raster") and (isinstance(value, bool) or not isinstance(value, int))):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
 

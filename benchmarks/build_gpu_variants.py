@@ -1,0 +1,23 @@
+"""Build (here, no GPU needed) every variant the GPU tests and benchmarks load, so that
+`generated/` can travel to a GPU machine that has no CuTe-DSL compiler.
+
+    python benchmarks/build_gpu_variants.py [--force]
+"""
+import sys
+from pathlib import Path
+
+from mokgen.codegen import build, default_out
+from mokgen.ir import MoESpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_golden_gpu import DEADLOCK_OVERRIDES, SHAPES, deadlock_dir, spec_of  # noqa: E402
+
+force = "--force" in sys.argv
+specs = [spec_of(s) for s in SHAPES]
+specs += [MoESpec(**{**spec_of(s).to_dict(), "renormalize": True}) for s in SHAPES[:4]]
+specs.append(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048))  # the bench's DeepSeek-V3 layer
+for i, spec in enumerate(specs):
+    print(f"[{i + 1}/{len(specs) + 1}] {spec.variant}", flush=True)
+    build(spec, default_out(), force=force, log=lambda m: None)
+print(f"[{len(specs) + 1}/{len(specs) + 1}] debug variant with an injected deadlock", flush=True)
+build(spec_of(SHAPES[0]), deadlock_dir(), overrides=DEADLOCK_OVERRIDES, force=force, log=lambda m: None)
