@@ -77,7 +77,11 @@ class Launcher:
         dyn = (ctypes.c_int32 * max(1, len(self._dyn)))(*[tensors[i].shape[d] for i, d in self._dyn])
         err = self._fn(data, dyn, ctypes.c_void_p(stream))
         if err:
-            raise LaunchError(f"kernel {self.name} failed to launch: {self._err(err).decode()} (cudaError {err})")
+            raise LaunchError(
+                f"kernel {self.name} failed to launch: {self._err(err).decode()} (cudaError {err}); "
+                "an error from an earlier kernel surfaces here too (a generated kernel traps when a "
+                "pipeline wait exceeds its timeout), and the CUDA context is then unusable"
+            )
 
 
 def cuda_stream(device: torch.device) -> int:
