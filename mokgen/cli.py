@@ -131,7 +131,10 @@ def _resolve_variant(name: str) -> Path:
 @main.command()
 @click.argument("variant")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def show(variant, as_json):
+@click.option("--png", "png", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also draw the SM roles and the predicted task timeline of the fused forward.")
+@click.option("--tokens", "png_tokens", type=int, default=4096, show_default=True, help="T for --png.")
+def show(variant, as_json, png, png_tokens):
     """Print a variant's Plan as a readable table (VARIANT: name, directory or preset)."""
     from .schedule import make_plan
 
@@ -146,6 +149,16 @@ def show(variant, as_json):
     from .show import format_plan
 
     click.echo(format_plan(plan))
+    if png:
+        if not plan.get("task_graph"):
+            fail(f"{variant} was planned by an older mokgen (no task graph): rebuild it with `mokgen build`", code=1)
+        try:
+            from .show import draw_schedule
+        except ImportError:
+            fail("--png needs matplotlib (pip install matplotlib)", code=1)
+        if png_tokens < 1:
+            fail("--tokens must be at least 1")
+        click.echo(f"wrote {draw_schedule(plan, png, png_tokens)}")
 
 
 @main.command()

@@ -37,4 +37,79 @@ def format_plan(plan: dict) -> str:
     out += _table([[b["name"], b["dtype"], "[" + ", ".join(b["shape"]) + "]", b["init"]] for b in plan["buffers"]],
                   ["buffer", "dtype", "shape", "init"])
     out += ["", "decisions"] + [f"  - {d}" for d in plan["decisions"]]
+    if plan.get("task_graph"):
+        out += ["", format_task_graph(plan)]
     return "\n".join(out)
+
+
+def _spec_target(plan: dict):
+    from .ir import MoESpec
+    from .schedule.target import Target
+
+    t = dict(plan["target"])
+    t["row_tile_efficiency"] = {int(k): v for k, v in (t.get("row_tile_efficiency") or {}).items()}
+    return MoESpec.from_dict(plan["spec"]), Target(**t)
+
+
+def format_task_graph(plan: dict, tokens=(64, 256, 1024, 4096, 16384)) -> str:
+    from .schedule.taskgraph import simulate
+
+    tg = plan["task_graph"]
+    out = ["task graph of the fused forward (one persistent launch; planned, not generated yet)",
+           "  SM roles: " + ", ".join(f"{k} {v}" for k, v in tg["sm_roles"].items()),
+           f"  rule: {tg['rule']}"]
+    rows = [[k["priority"], k["name"], k["granularity"], k["count"], k["waits_on"], k["signals"],
+             "fill" if k["fill"] else ""] for k in tg["kinds"]]
+    out += ["  " + line for line in _table(rows, ["prio", "task", "granularity", "tasks", "waits on", "signals", ""])]
+    out += ["  counters: " + "; ".join(f"{c['name']}[{c['length']}] ({c['meaning']})" for c in tg["counters"])]
+    spec, target = _spec_target(plan)
+    params = {k["name"]: k["params"] for k in plan["kernels"]}
+    pred = []
+    for T in tokens:
+        fused = simulate(spec, params, target, T)["makespan_us"]
+        multi = simulate(spec, params, target, T, fused=False)["makespan_us"]
+        pred.append([T, f"{multi:.0f}", f"{fused:.0f}", f"{multi / fused:.2f}x"])
+    out += ["  predicted forward time, uniform routing (cost model from measured rates):"]
+    out += ["  " + line for line in _table(pred, ["T", "multi-kernel us", "fused us", "gain"])]
+    return "\n".join(out)
+
+
+def draw_schedule(plan: dict, path, tokens: int = 4096):
+    """PNG: the SM roles and the predicted per-SM timeline of the fused forward at T=tokens,
+    with the multi-kernel path's stages below for comparison. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .schedule.taskgraph import task_costs_us, simulate
+
+    spec, target = _spec_target(plan)
+    params = {k["name"]: k["params"] for k in plan["kernels"]}
+    sim = simulate(spec, params, target, tokens)
+    kinds = [k["name"] for k in plan["task_graph"]["kinds"]]
+    colors = {k: plt.cm.tab10(i % 10) for i, k in enumerate(kinds)}
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(12, 7), gridspec_kw={"height_ratios": [4, 1]}, sharex=True)
+    for sm, start, end, kind in sim["events"]:
+        ax.barh(sm, end - start, left=start, height=0.9, color=colors[kind], linewidth=0)
+    ax.set_ylabel(f"SM (all {target.sms}: compute role)")
+    ax.set_title(f"{plan['variant']}: predicted fused forward at T={tokens}, "
+                 f"{sim['makespan_us']:.0f} us (priority order: {' > '.join(kinds)})", fontsize=9)
+    ax.invert_yaxis()
+    costs = task_costs_us(spec, params, target, tokens)
+    t = 0.0
+    multi = simulate(spec, params, target, tokens, fused=False)["makespan_us"]
+    for kind in kinds:
+        if kind in costs and kind != "route":
+            n = sum(1 for e in sim["events"] if e[3] == kind)
+            d = -(-n // target.sms) * costs[kind] + target.launch_gap_us
+            ax2.barh(0, d, left=t, color=colors[kind], height=0.6)
+            t += d
+    ax2.set_yticks([0], ["multi-kernel"])
+    ax2.set_xlabel(f"time (us); multi-kernel path {multi:.0f} us")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in kinds]
+    ax.legend(handles, kinds, fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -19,6 +19,7 @@ from .. import __version__
 from ..ir import Graph, MoESpec, forward_graph
 from ..ir.graph import T
 from .target import Target, target_for
+from .taskgraph import forward_task_graph
 
 PLAN_FORMAT = 1
 
@@ -90,6 +91,7 @@ class Plan:
     flops: str
     decisions: list = field(default_factory=list)
     overrides: dict = field(default_factory=dict)  # decisions replaced by hand or by autotuning
+    task_graph: dict = field(default_factory=dict)  # the fused forward's tasks (see taskgraph.py)
 
     # ---- (de)serialisation -------------------------------------------------------
     def to_dict(self) -> dict:
@@ -357,6 +359,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         flops=str(graph.flops()),
         decisions=decisions,
         overrides=dict(overrides or {}),
+        task_graph=forward_task_graph(spec, {k.name: k.params for k in kernels}, target).to_dict(),
     )
     check_plan(plan, graph)
     return plan

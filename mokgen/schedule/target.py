@@ -21,8 +21,14 @@ class Target:
     gemm_ceiling_tflops: float  # CuTe-DSL Hopper persistent GEMM, the practical ceiling
     copy_gbs: float  # device-to-device copy, bytes read + written
     nvlink_peer_gbs: float  # one peer, symmetric-memory copy
-    # Relative GEMM speed by M tile (128: two consumer warpgroups; 64: one), estimated.
+    # Relative GEMM speed by M tile (128: two consumer warpgroups; 64: one): measured
+    # E64 K8 H2048 I1024 T=16384 GEMM time 2.68 vs 3.36 ms (docs/perf.md, v0.2).
     row_tile_efficiency: dict = None
+    # mokgen's own kernels as measured (docs/perf.md, v0.3), for the task-graph cost model:
+    grouped_gemm_tflops: float = 0.0  # persistent grouped GEMM, E64 K8 H2048 I1024 T=16384
+    dispatch_scan_gbs: float = 0.0  # one dispatch CTA scanning the routed ids
+    scatter_over_count: float = 1.0  # scatter task time / count task time
+    launch_gap_us: float = 0.0  # launch + drain between two dependent kernels
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -40,6 +46,10 @@ H200 = Target(
     copy_gbs=4245.0,
     nvlink_peer_gbs=373.0,
     row_tile_efficiency={64: 0.8, 128: 1.0},
+    grouped_gemm_tflops=680.0,  # gate/up 663, down 709 TFLOP/s
+    dispatch_scan_gbs=11.4,  # count: 524 KB of ids in 46 us per expert CTA
+    scatter_over_count=1.41,  # 65 us / 46 us
+    launch_gap_us=5.0,
 )
 
 TARGETS = {"sm_90a": H200}

@@ -1,0 +1,210 @@
+"""The task graph of the fused forward: what one persistent launch will do.
+
+Every stage of the multi-kernel path becomes a kind of task at a fixed granularity
+(an expert, an output tile, a block of tokens). Tasks wait on device-side counters
+and bump counters when done; a persistent CTA takes the highest-priority task whose
+counters are met. No grid-wide barrier, no host sync. This module is pure data plus
+a cost model: per-task time estimates from the target's measured rates, and a list
+scheduler that predicts the timeline on the target's SMs (what `mokgen show` prints
+and `mokgen show --png` draws).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass, field
+
+import sympy
+
+from ..ir.graph import T
+from .target import Target
+
+
+# Tokens per combine task: small, so the reduction spreads over every SM at small T.
+COMBINE_TOKENS = 16
+
+
+@dataclass
+class Counter:
+    name: str
+    length: str  # number of counters (expression of T)
+    meaning: str
+
+
+@dataclass
+class TaskKind:
+    name: str
+    stage: str
+    granularity: str
+    count: str  # tasks of this kind (upper bound, expression of T)
+    waits_on: str  # counter condition before a task may start
+    signals: str  # counters bumped when it ends
+    priority: int  # lower runs first among ready tasks
+    role: str = "compute"
+    fill: bool = False  # may run whenever an SM would otherwise wait
+
+
+@dataclass
+class TaskGraph:
+    kinds: list
+    counters: list
+    sm_roles: dict
+    rule: str
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _e(x) -> str:
+    return str(sympy.simplify(x))
+
+
+def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
+    """Task kinds, counters and roles of the fused forward for one spec."""
+    E, K, S = spec.local_experts, spec.topk, spec.shared_intermediate
+    gu, dn = plan_params["gemm_gateup"], plan_params["gemm_down"]
+    bm = gu["tile_m"]
+    m_tiles = sympy.ceiling(T * K / bm) + E
+    ng = math.ceil(gu["n_size"] / gu["tile_n"])
+    nd = math.ceil(dn["n_size"] / dn["tile_n"])
+    token_block = 128
+    kinds = [
+        TaskKind("route", "route", f"{token_block} tokens", _e(sympy.ceiling(T / token_block)), "-",
+                 "routed += 1", 0),
+        TaskKind("count", "send", "one expert", str(E), f"routed == ceil(T/{token_block})", "counted += 1", 1),
+        TaskKind("scatter", "send", "one expert", str(E), f"counted == {E}", "placed[e] = 1", 2),
+        TaskKind("gateup", "gemm_gateup", f"{bm}x{gu['tile_n']} tile of h", _e(m_tiles * ng),
+                 "placed[expert(m)] == 1", "h_ready[m] += 1", 3),
+        TaskKind("down", "gemm_down", f"{bm}x{dn['tile_n']} tile of y", _e(m_tiles * nd),
+                 f"h_ready[m] == {ng}", "y_done += 1", 4),
+    ]
+    counters = [
+        Counter("routed", "1", "route blocks finished"),
+        Counter("counted", "1", "experts counted"),
+        Counter("placed", str(E), "expert's rows placed and tile table written"),
+        Counter("h_ready", _e(m_tiles), "gate/up tiles finished per M tile"),
+        Counter("y_done", "1", "down tiles finished"),
+    ]
+    combine_wait = "y_done == tiles used"
+    if S:
+        sg, sd = plan_params["shared_gateup"], plan_params["shared_down"]
+        s_tiles = sympy.ceiling(T / bm)
+        nsg = math.ceil(sg["n_size"] / sg["tile_n"])
+        nsd = math.ceil(sd["n_size"] / sd["tile_n"])
+        kinds += [
+            TaskKind("shared_gateup", "shared_gateup", f"{bm}x{sg['tile_n']} tile of hs", _e(s_tiles * nsg), "-",
+                     "hs_ready[s] += 1", 5, fill=True),
+            TaskKind("shared_down", "shared_down", f"{bm}x{sd['tile_n']} tile of ys", _e(s_tiles * nsd),
+                     f"hs_ready[s] == {nsg}", "ys_ready[s] += 1", 5, fill=True),
+        ]
+        counters += [Counter("hs_ready", _e(s_tiles), "shared gate/up tiles finished per M tile"),
+                     Counter("ys_ready", _e(s_tiles), "shared down tiles finished per M tile")]
+        combine_wait += f" and ys_ready[block] == {nsd}"
+    kinds.append(TaskKind("combine", "reduce", f"{COMBINE_TOKENS} tokens", _e(sympy.ceiling(T / COMBINE_TOKENS)),
+                          combine_wait + " (per 128-token block)" if S else combine_wait, "-", 6))
+    return TaskGraph(
+        kinds=kinds,
+        counters=counters,
+        sm_roles={"compute": target.sms, "communication": 0},
+        rule=("each persistent CTA takes the lowest-priority-number task whose wait is met; "
+              "fill tasks (shared expert) run whenever nothing else is ready; every wait is bounded "
+              "(timeout -> error code, never a hang); counters are zeroed before the launch"),
+        notes=["route tasks run only on the fused-routing entry point; with precomputed routing, "
+               "count starts at once"],
+    )
+
+
+# ---- cost model ---------------------------------------------------------------------
+
+def task_costs_us(spec, plan_params: dict, target: Target, tokens: int) -> dict:
+    """Estimated time of one task of each kind on one SM, in microseconds.
+
+    GEMM tiles: the larger of FLOPs over the measured grouped-GEMM rate and the tile's
+    share of weight bytes over the copy bandwidth, both split evenly over the SMs.
+    Dispatch and combine: bytes over the measured dispatch scan rate and the per-SM
+    share of the copy bandwidth (target numbers; docs/perf.md has the runs).
+    """
+    K, H = spec.topk, spec.hidden
+    per_sm_flops = target.grouped_gemm_tflops * 1e12 / target.sms
+    per_sm_bytes = target.copy_gbs * 1e9 / target.sms
+
+    def tile(p, rows_per_group):
+        # The larger of its FLOPs and its share of the weight bytes (a weight tile is read
+        # once per group and shared through L2 by that group's M tiles).
+        nb = 2 if p["epilogue"] == "swiglu" else 1
+        flops_us = 2 * p["tile_m"] * p["tile_n"] * p["k_size"] * nb / per_sm_flops * 1e6
+        m_tiles = max(1, math.ceil(rows_per_group / p["tile_m"]))
+        weight_bytes = p["tile_n"] * p["k_size"] * 2 * nb / m_tiles
+        return max(flops_us, weight_bytes / per_sm_bytes * 1e6)
+
+    costs = {
+        "route": 128 * spec.experts * 4 * (K + 2) / per_sm_bytes * 1e6,
+        "count": tokens * K * 4 / (target.dispatch_scan_gbs * 1e9) * 1e6,
+        "scatter": tokens * K * 4 / (target.dispatch_scan_gbs * 1e9) * 1e6 * target.scatter_over_count,
+        "gateup": tile(plan_params["gemm_gateup"], tokens * K / spec.local_experts),
+        "down": tile(plan_params["gemm_down"], tokens * K / spec.local_experts),
+        "combine": COMBINE_TOKENS * (K + 1 + (1 if spec.shared_intermediate else 0)) * H * 2 / per_sm_bytes * 1e6,
+    }
+    if spec.shared_intermediate:
+        costs["shared_gateup"] = tile(plan_params["shared_gateup"], tokens)
+        costs["shared_down"] = tile(plan_params["shared_down"], tokens)
+    return costs
+
+
+def simulate(spec, plan_params: dict, target: Target, tokens: int, fused: bool = True) -> dict:
+    """Predicted timeline at `tokens` with uniform routing: list scheduling of the task
+    graph on the SMs (fused), or stage by stage with a barrier between stages (the
+    current multi-kernel path). Returns the makespan and, for fused, every task's
+    (sm, start, end, kind)."""
+    costs = task_costs_us(spec, plan_params, target, tokens)
+    E, K = spec.local_experts, spec.topk
+    bm = plan_params["gemm_gateup"]["tile_m"]
+    rows = tokens * K / E
+    used_m = E * math.ceil(rows / bm)  # uniform routing
+    ng = math.ceil(plan_params["gemm_gateup"]["n_size"] / plan_params["gemm_gateup"]["tile_n"])
+    nd = math.ceil(plan_params["gemm_down"]["n_size"] / plan_params["gemm_down"]["tile_n"])
+    blocks = math.ceil(tokens / COMBINE_TOKENS)
+    stages = [("count", E), ("scatter", E), ("gateup", used_m * ng), ("down", used_m * nd), ("combine", blocks)]
+    if spec.shared_intermediate:
+        st = math.ceil(tokens / bm)
+        nsg = math.ceil(plan_params["shared_gateup"]["n_size"] / plan_params["shared_gateup"]["tile_n"])
+        nsd = math.ceil(plan_params["shared_down"]["n_size"] / plan_params["shared_down"]["tile_n"])
+        stages[4:4] = [("shared_gateup", st * nsg), ("shared_down", st * nsd)]
+    sms = target.sms
+    if not fused:
+        launch_us = target.launch_gap_us
+        total = 0.0
+        for kind, n in stages:
+            waves = math.ceil(n / sms)
+            total += waves * costs[kind] + launch_us
+        return {"makespan_us": total}
+    # Fused: dependencies at the granularity of the task graph (uniform routing, so each
+    # expert owns used_m / E consecutive M tiles).
+    m_per_e = used_m // E
+    done = {}
+    free = [(0.0, sm) for sm in range(sms)]
+    heapq.heapify(free)
+    events = []
+
+    def run(kind, ready_at):
+        t_free, sm = heapq.heappop(free)
+        start = max(t_free, ready_at)
+        end = start + costs[kind]
+        heapq.heappush(free, (end, sm))
+        events.append((sm, start, end, kind))
+        return end
+
+    counted = max(run("count", 0.0) for _ in range(E))
+    placed = [run("scatter", counted) for _ in range(E)]
+    shared_end = 0.0
+    if spec.shared_intermediate:
+        # Fill work: issued after the dispatch tasks, before the routed tiles are ready.
+        hs = [max(run("shared_gateup", 0.0) for _ in range(nsg)) for _ in range(st)]
+        shared_end = max(max(run("shared_down", h) for _ in range(nsd)) for h in hs)
+    h_ready = [max(run("gateup", placed[m // m_per_e]) for _ in range(ng)) for m in range(used_m)]
+    y_done = max(max(run("down", h_ready[m]) for _ in range(nd)) for m in range(used_m))
+    end = max(run("combine", max(y_done, shared_end)) for _ in range(blocks))
+    done["makespan_us"] = end
+    done["events"] = events
+    return done
