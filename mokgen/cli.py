@@ -81,10 +81,18 @@ def main():
 @click.option("--jobs", "-j", type=int, default=None, help="Parallel compile processes.")
 @click.option("--force", is_flag=True, help="Rebuild even if up to date.")
 @click.option("--no-compile", is_flag=True, help="Render the source only (no CuTe-DSL needed).")
-def build(spec, out, jobs, force, no_compile):
+@click.option("--from-manifest", "manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Build the spec recorded in a variant's manifest.json (other spec flags ignored).")
+def build(spec, out, jobs, force, no_compile, manifest):
     """Plan, render and compile one MoE layer. With no flags: the OLMoE-1B-7B layer."""
     from .codegen import BuildError, build as do_build
     from .schedule import PlanError
+
+    if manifest:
+        try:
+            spec = MoESpec.from_dict(json.loads(manifest.read_text())["spec"])
+        except (KeyError, ValueError) as e:
+            fail(f"{manifest} is not a mokgen manifest: {e}")
 
     try:
         path = do_build(spec, out, jobs=jobs, force=force, compile=not no_compile)

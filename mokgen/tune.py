@@ -9,7 +9,7 @@ A candidate is the default Plan with one decision changed (coordinate search: fe
 candidates, each a full variant under <out>/tuning/<variant>/c<i>/). The record,
 <out>/tuning/<variant>.json, holds every candidate's times, the device and the
 winner: the same record always gives the same Plan, so a tuned build is reproducible.
-Each candidate's output is checked against the default's before it may win.
+Each candidate runs in its own process and must pass the golden check before it may win.
 """
 from __future__ import annotations
 
@@ -62,14 +62,39 @@ def prepare(spec: MoESpec, out: Path, log=print) -> list[Path]:
     return dirs
 
 
-def run(spec: MoESpec, out: Path, tokens: list[int], log=print) -> dict:
-    """Time every prepared candidate on this GPU; write and return the record."""
+def measure(variant_dir: Path, tokens: list[int]) -> dict:
+    """Golden check and timing of one candidate, in this process (see run())."""
     import torch
 
     from .bench import time_ms
-    from .reference import rel_error
+    from .reference import moe_reference, rel_error
     from .runtime import Variant
     from .verify import make_inputs
+
+    v = Variant(variant_dir)
+    x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(v.spec, 1000, "skewed", torch.Generator("cuda").manual_seed(7))
+    got = v.forward(x, ids, w, wg, wu, wd, sg, su, sd)
+    err = rel_error(got, moe_reference(x, ids, w, wg, wu, wd, sg, su, sd))
+    ms = {}
+    for T in tokens:
+        x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(v.spec, T, "uniform", torch.Generator("cuda").manual_seed(T))
+        ms[str(T)] = time_ms(lambda: v.forward(x, ids, w, wg, wu, wd, sg, su, sd), 5, 20)
+    return dict(ms=ms, rel_err=err)
+
+
+def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int = 300) -> dict:
+    """Time every prepared candidate on this GPU; write and return the record.
+
+    Each candidate runs in its own process with a time limit, so one that fails (a
+    kernel that traps leaves its CUDA context unusable) or hangs cannot take the
+    others down; it is recorded as failed and cannot win. A candidate must also pass
+    the golden check (relative error against the float64 reference <= 1e-2)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from .verify import TOLERANCE
 
     root = tuning_dir(out, spec.variant)
     listing = root / "candidates.json"
@@ -77,25 +102,27 @@ def run(spec: MoESpec, out: Path, tokens: list[int], log=print) -> dict:
         raise FileNotFoundError(f"no prepared candidates in {root}: run `mokgen tune {spec.variant} --prepare` "
                                 "where nvidia-cutlass-dsl is installed")
     cands = json.loads(listing.read_text())
-    inputs = {T: make_inputs(spec, T, "uniform", torch.Generator("cuda").manual_seed(T)) for T in tokens}
-    check = make_inputs(spec, 1000, "skewed", torch.Generator("cuda").manual_seed(7))
-    results, base_out = [], None
+    results = []
     for i, ov in enumerate(cands):
-        v = Variant(root / f"c{i}" / spec.variant)
-        x, ids, w, wg, wu, wd, (sg, su, sd) = check
-        got = v.forward(x, ids, w, wg, wu, wd, sg, su, sd)
-        if base_out is None:
-            base_out = got
-        err = rel_error(got, base_out)
-        ms = {}
-        for T, (x, ids, w, wg, wu, wd, (sg, su, sd)) in inputs.items():
-            ms[str(T)] = time_ms(lambda: v.forward(x, ids, w, wg, wu, wd, sg, su, sd), 5, 20)
-        ok = err < 1e-2
-        score = math.exp(sum(math.log(t) for t in ms.values()) / len(ms))
-        results.append(dict(overrides=ov, ms=ms, score_ms=score, agrees_with_default=ok, rel_diff=err))
-        log(f"[{i + 1}/{len(cands)}] {ov or 'default plan'}: " + ", ".join(f"T={T} {t:.3f} ms" for T, t in ms.items())
-            + ("" if ok else f"  DISAGREES with the default (rel diff {err:.2e}): not eligible"))
-    eligible = [r for r in results if r["agrees_with_default"]]
+        cmd = [sys.executable, "-m", "mokgen.tune", str(root / f"c{i}" / spec.variant), ",".join(map(str, tokens))]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+            res = json.loads(lines[-1]) if p.returncode == 0 and lines else \
+                dict(error=(p.stderr.strip().splitlines() or ["no output"])[-1][:300])
+        except subprocess.TimeoutExpired:
+            res = dict(error=f"no result within {timeout_s} s")
+        ok = "error" not in res and res["rel_err"] <= TOLERANCE
+        entry = dict(overrides=ov, eligible=ok, **res)
+        if "ms" in res:
+            entry["score_ms"] = math.exp(sum(math.log(t) for t in res["ms"].values()) / len(res["ms"]))
+        results.append(entry)
+        what = ", ".join(f"T={T} {t:.3f} ms" for T, t in res.get("ms", {}).items())
+        log(f"[{i + 1}/{len(cands)}] {ov or 'default plan'}: {what or 'FAILED: ' + res['error']}"
+            + ("" if ok or "error" in res else f"  rel_err {res['rel_err']:.2e}: not eligible"))
+    eligible = [r for r in results if r["eligible"]]
+    if not eligible:
+        raise RuntimeError("no candidate passed the golden check; nothing recorded")
     best = min(eligible, key=lambda r: r["score_ms"])
     record = dict(format=RECORD_FORMAT, variant=spec.variant, spec=spec.to_dict(), tokens=tokens,
                   device=torch.cuda.get_device_name(), torch=torch.__version__, candidates=results,
@@ -115,3 +142,9 @@ def winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
     if rec.get("format") != RECORD_FORMAT or rec.get("spec") != spec.to_dict():
         return None
     return rec["winner"], f"tuning/{spec.variant}.json ({rec['device']}, T={rec['tokens']})"
+
+
+if __name__ == "__main__":  # one candidate, in its own process (see run())
+    import sys
+
+    print(json.dumps(measure(Path(sys.argv[1]), [int(t) for t in sys.argv[2].split(",")])))

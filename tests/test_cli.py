@@ -47,3 +47,16 @@ def test_bad_token_lists_exit_2_before_any_gpu_work():
     for args in (["verify", "olmoe", "--tokens", "1,x"], ["bench", "--tokens", "-5"], ["tune", "olmoe", "--tokens", "a"]):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 2, (args, r.output)
+
+
+def test_build_from_manifest(tmp_path):
+    r = CliRunner().invoke(main, ["build", "--experts", "8", "--topk", "2", "--hidden", "256", "--intermediate",
+                                  "128", "--no-compile", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    manifest = tmp_path / "a" / "e8_k2_h256_i128_bf16_sm90a" / "manifest.json"
+    r = CliRunner().invoke(main, ["build", "--from-manifest", str(manifest), "--no-compile", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "b" / "e8_k2_h256_i128_bf16_sm90a" / "manifest.json").read_text() == manifest.read_text()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert CliRunner().invoke(main, ["build", "--from-manifest", str(bad)]).exit_code == 2

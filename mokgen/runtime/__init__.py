@@ -50,13 +50,12 @@ def load(spec_or_path, *, build: bool = True) -> Variant:
     return _LOADED[key]
 
 
-def find_variant(E, K, H, I, S) -> Variant:
-    """The variant serving these shapes: an existing build whose spec matches, else a new build."""
-    root = variants_root()
-    want = dict(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=1)
-    for key, v in _LOADED.items():
+def _find_built(want: dict) -> Variant | None:
+    """A loaded or built variant whose spec has these field values."""
+    for v in _LOADED.values():
         if all(v.spec.to_dict()[f] == val for f, val in want.items()):
             return v
+    root = variants_root()
     if root.is_dir():
         import json
 
@@ -64,7 +63,13 @@ def find_variant(E, K, H, I, S) -> Variant:
             spec = json.loads(m.read_text())["spec"]
             if all(spec[f] == val for f, val in want.items()) and (m.parent / "build" / "libmokgen.so").exists():
                 return load(m.parent)
-    return load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S))
+    return None
+
+
+def find_variant(E, K, H, I, S) -> Variant:
+    """The variant serving these shapes: an existing build whose spec matches, else a new build."""
+    want = dict(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=1)
+    return _find_built(want) or load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S))
 
 
 def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
@@ -102,11 +107,13 @@ def route(router_logits, topk: int, *, renormalize: bool = False, variant: Varia
     if variant is None:
         from ..ir import SpecError
 
-        try:
+        try:  # validates E and topk with the spec's messages
             spec = MoESpec(experts=E, topk=topk, hidden=64, intermediate=64, renormalize=renormalize)
         except SpecError as e:
             raise InputError(str(e)) from None
-        variant = load(spec)
+        # Any built variant with this router serves (the route kernel depends on E, K and
+        # renormalisation only); else build the smallest one.
+        variant = _find_built(dict(experts=E, topk=topk, renormalize=renormalize, world_size=1)) or load(spec)
     elif variant.spec.experts != E or variant.spec.topk != topk:
         raise InputError(f"variant {variant.name} routes over {variant.spec.experts} experts, top-"
                          f"{variant.spec.topk}; got E={E}, topk={topk}")

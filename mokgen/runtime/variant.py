@@ -42,7 +42,7 @@ class Variant:
         if not lib.exists():
             raise VariantNotBuilt(
                 f"variant {self.name} has no compiled kernels ({lib} missing): run "
-                f"`mokgen build --from-variant {self.path}` on a machine with nvidia-cutlass-dsl"
+                f"`mokgen build --from-manifest {self.path / 'manifest.json'}` where nvidia-cutlass-dsl is installed"
             )
         self._lib = open_library(lib)
         self.kernels = {k["name"]: k for k in self.plan["kernels"]}
