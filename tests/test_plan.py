@@ -108,3 +108,18 @@ def test_tuning_candidates_and_record(tmp_path):
     plan = resolve_plan(spec, tmp_path)
     assert plan.overrides == cands[1] and any("tuning/" in d for d in plan.decisions)
     assert resolve_plan(spec, tmp_path, overrides={}).overrides == {}
+
+
+def test_tune_survives_failing_candidates(tmp_path):
+    import json
+
+    from mokgen.tune import run, tuning_dir
+
+    spec = PRESETS["olmoe"]
+    root = tuning_dir(tmp_path, spec.variant)
+    root.mkdir(parents=True)
+    (root / "candidates.json").write_text(json.dumps([{}, {"gemm_down.tile_n": 128}]))
+    lines = []
+    with pytest.raises(RuntimeError, match="no candidate passed"):
+        run(spec, tmp_path, [64], log=lines.append, timeout_s=120)
+    assert len(lines) == 2 and all("FAILED" in line for line in lines)
