@@ -50,6 +50,7 @@ N_TILES = (N_SIZE + TILE_MNK[1] - 1) // TILE_MNK[1]
 GATHER_A = False
 GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
+CHUNKS = TILE_MNK[2] // VEC  # 16-byte chunks per row of an A stage
 EPILOGUE_BARRIER = 1
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: trap, never hang
 

@@ -55,6 +55,7 @@ N_TILES = (N_SIZE + TILE_MNK[1] - 1) // TILE_MNK[1]
 GATHER_A = True
 GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
+CHUNKS = TILE_MNK[2] // VEC  # 16-byte chunks per row of an A stage
 EPILOGUE_BARRIER = 1
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: trap, never hang
 
@@ -237,19 +238,19 @@ class GemmGateup:
         if wg_idx == 0:
             # ---------------- producer warpgroup ----------------
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            # Thread t copies column chunk t % 8 of rows t // 8 + 16 j: each warp
+            # Thread t copies chunk t % CHUNKS of rows t // CHUNKS + j * (128 / CHUNKS): each warp
             # instruction reads four whole 128-byte row segments.
             lane = cute.arch.lane_idx()
             gather_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), self.io_dtype, num_bits_per_copy=128)
             gather_copy = cute.make_tiled_copy_tv(
-                gather_atom, cute.make_layout((WG_THREADS // 8, 8), stride=(8, 1)), cute.make_layout((1, VEC))
+                gather_atom, cute.make_layout((WG_THREADS // CHUNKS, CHUNKS), stride=(CHUNKS, 1)), cute.make_layout((1, VEC))
             )
             thr_gather = gather_copy.get_slice(tidx)
             tAsA = thr_gather.partition_D(sA)  # (VEC, rows per thread, 1, stages)
             rows_per_thread = cute.size(tAsA, mode=[1])
             tokens = cute.make_rmem_tensor((rows_per_thread,), cutlass.Int32)
-            col = tidx % 8
-            row0 = tidx // 8
+            col = tidx % CHUNKS
+            row0 = tidx // CHUNKS
             full = ab_pipeline.sync_object_full
             prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
             inflight = cutlass.Int32(0)  # committed stages whose full barrier has no arrive from this warp yet
@@ -262,7 +263,7 @@ class GemmGateup:
                     tile = total_tiles  # unused tiles come last: done
                 else:
                     for j in cutlass.range_constexpr(rows_per_thread):
-                        tok = row_token[m_tile * TILE_MNK[0] + row0 + j * (WG_THREADS // 8)]
+                        tok = row_token[m_tile * TILE_MNK[0] + row0 + j * (WG_THREADS // CHUNKS)]
                         tokens[j] = cutlass.max(tok, 0)  # padding rows (-1) load row 0
                     for kt in cutlass.range(k_tiles, unroll=1):
                         if warp_idx == 0:
@@ -274,7 +275,7 @@ class GemmGateup:
                         else:
                             wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase)
                         for j in cutlass.range_constexpr(rows_per_thread):
-                            src = cute.local_tile(mX, (1, VEC), (tokens[j], kt * (TILE_MNK[2] // VEC) + col))
+                            src = cute.local_tile(mX, (1, VEC), (tokens[j], kt * CHUNKS + col))
                             cute.copy(gather_atom, src[(0, None)], tAsA[(None, j, 0, prod_state.index)])
                         cute.arch.cp_async_commit_group()
                         inflight = inflight + 1

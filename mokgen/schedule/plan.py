@@ -294,8 +294,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         gather_lag = (overrides or {}).get(f"{name}.gather_lag", 1)
         if not 1 <= gather_lag <= tl["stages"] - 2 and not (overrides or {}).get("debug_unchecked"):
             raise PlanError(f"{name}: gather lag {gather_lag} must be in [1, stages - 2] (deadlock otherwise)")
+        wait_timeout_ns = int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000
         params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster,
-                      wait_timeout_ns=int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000, gather_lag=gather_lag,
+                      gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
