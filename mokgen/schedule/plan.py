@@ -187,9 +187,6 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, 
                 producer_regs=producer_regs, consumer_regs=consumer_regs, smem_bytes=smem)
 
 
-TUNABLE = ("row_tile", "{gemm}.tile_n", "{gemm}.raster", "{gemm}.gather_lag")
-
-
 def tile_n_choices(epilogue: str, tile_m: int = 128) -> list[int]:
     """N tiles that fit the accumulator budget (what an autotuner may try)."""
     num_b = 2 if epilogue == "swiglu" else 1
@@ -254,7 +251,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         grid=f"(ceil(T/{route_threads}),)", block=route_threads,
         warp_roles=["all warps: one token per thread"]))
 
-    # send: count, scatter, gather
+    # send: count, then scatter (positions, row -> token table, tile table)
     dispatch_threads = min(1024, target.max_threads_per_block)
     dparams = dict(experts=E, topk=K, tile_m=row_tile, threads=dispatch_threads, items_per_thread=DISPATCH_ITEMS)
     kernels += [
