@@ -56,6 +56,21 @@ WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: trap
 
 
 @cute.jit
+def tile_at(tile: cutlass.Int32, m_tiles_total: cutlass.Int32, tile_expert: cute.Tensor):
+    """(M tile, N tile, expert) of a linear tile index, in the Plan's raster order
+    (M-major); expert -1 marks an unused M tile."""
+    m_tile = tile // N_TILES
+    n_tile = tile % N_TILES
+    return m_tile, n_tile, tile_expert[m_tile]
+
+
+@cute.jit
+def tile_after_unused(tile: cutlass.Int32, grid: cutlass.Int32, total_tiles: cutlass.Int32) -> cutlass.Int32:
+    """Unused M tiles come last in M-major order: the walk is over."""
+    return total_tiles
+
+
+@cute.jit
 def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32):
     """Wait for an mbarrier phase, but never forever: after WAIT_TIMEOUT_NS the thread
     traps, so the launch fails with a CUDA error instead of hanging the GPU."""
@@ -228,11 +243,9 @@ class GemmDown:
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
                 tile = cta
                 while tile < total_tiles:
-                    m_tile = tile // N_TILES
-                    n_tile = tile % N_TILES
-                    expert = tile_expert[m_tile]
+                    m_tile, n_tile, expert = tile_at(tile, m_tiles_total, tile_expert)
                     if expert < 0:
-                        tile = total_tiles  # unused tiles come last: done
+                        tile = tile_after_unused(tile, grid, total_tiles)
                     else:
                         for kt in cutlass.range(k_tiles, unroll=1):
                             wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase)
@@ -281,11 +294,9 @@ class GemmDown:
             epi_count = cutlass.Int32(0)
             tile = cta
             while tile < total_tiles:
-                m_tile = tile // N_TILES
-                n_tile = tile % N_TILES
-                expert = tile_expert[m_tile]
+                m_tile, n_tile, expert = tile_at(tile, m_tiles_total, tile_expert)
                 if expert < 0:
-                    tile = total_tiles  # unused tiles come last: done
+                    tile = tile_after_unused(tile, grid, total_tiles)
                 else:
                     acc0.fill(0.0)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)

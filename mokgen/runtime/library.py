@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import os
 from pathlib import Path
 
 import torch
@@ -88,4 +87,4 @@ def cuda_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-__all__ = ["LaunchError", "Launcher", "open_library", "cuda_stream", "os"]
+__all__ = ["LaunchError", "Launcher", "open_library", "cuda_stream"]
