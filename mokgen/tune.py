@@ -44,6 +44,9 @@ def candidates(spec: MoESpec) -> list[dict]:
             if n != p["tile_n"] and n >= 64 and p["n_size"] % n == 0:
                 out.append({f"{k.name}.tile_n": n})
         out.append({f"{k.name}.raster": "n" if p["raster"] == "m" else "m"})
+        for epi in (2, 4, 8):
+            if epi != p["epi_stages"]:
+                out.append({f"{k.name}.epi_stages": epi})
         if p.get("gather_a") and p["stages"] - 2 > p["gather_lag"]:
             out.append({f"{k.name}.gather_lag": p["gather_lag"] + 1})
     return out

@@ -123,3 +123,22 @@ def test_tune_survives_failing_candidates(tmp_path):
     with pytest.raises(RuntimeError, match="no candidate passed"):
         run(spec, tmp_path, [64], log=lines.append, timeout_s=120)
     assert len(lines) == 2 and all("FAILED" in line for line in lines)
+
+
+@pytest.mark.parametrize("spec", [PRESETS["olmoe"], MoESpec(experts=16, topk=4, hidden=1024, intermediate=512,
+                                                            shared_intermediate=768)], ids=lambda s: s.variant)
+def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
+    p = make_plan(spec)
+    gemms = [k for k in p.kernels if k.template == "grouped_gemm_persistent.py.j2"]
+    slots = [k.params["sched_slot"] for k in gemms]
+    counters = next(b for b in p.buffers if b.name == "tile_counters")
+    assert sorted(slots) == list(range(len(gemms))) == list(range(int(counters.shape[0])))
+    forward = p.steps["forward"]
+    zeroing = [s for s in forward if any(a.tensor == "tile_counters" for a in p.kernel(s).args)
+               and p.kernel(s).template == "dispatch.py.j2"]
+    assert zeroing == ["dispatch_count"]
+    assert all(forward.index("dispatch_count") < forward.index(k.name) for k in gemms)
+    # Routed GEMMs find half-empty tiles through row_token; the shared expert's through T.
+    for k in gemms:
+        assert k.params["valid_rows"] == ("m_rows" if k.name.startswith("shared") else "row_token")
+        assert any(a.tensor == "row_token" for a in k.args) == (k.params["valid_rows"] == "row_token")

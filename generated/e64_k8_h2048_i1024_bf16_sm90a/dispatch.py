@@ -4,7 +4,8 @@
 
 Two kernels, launched in this order on one stream (no host synchronisation):
 
-count    grid (64,), 1024 threads. CTA e counts the pairs routed to expert e.
+count    grid (64,), 1024 threads. CTA e counts the pairs routed to expert e;
+         CTA 0 also zeroes the grouped GEMMs' tile counters (their tile schedulers start at 0).
 scatter  grid (64,), 1024 threads. CTA e
          - places expert e's rows at a padded offset: each expert's segment starts
            on a multiple of 128 rows (the GEMM M tile), so every M tile of the
@@ -33,9 +34,12 @@ ITEMS = 4  # pairs per thread and step of the compaction
 
 
 @cute.kernel
-def count_kernel(ids: cute.Tensor, counts: cute.Tensor):
+def count_kernel(ids: cute.Tensor, counts: cute.Tensor, tile_counters: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     e, _, _ = cute.arch.block_idx()
+    if e == 0:
+        if tidx < cute.size(tile_counters):
+            tile_counters[tidx] = 0
     n = cute.size(ids)
     smem = cutlass.memory.SmemAllocator()
     warp_sums = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS), 16)
@@ -138,9 +142,9 @@ class Dispatch:
     """Host entry points; one compiled function each."""
 
     @cute.jit
-    def count(self, ids: cute.Tensor, counts: cute.Tensor, stream: cuda.CUstream):
+    def count(self, ids: cute.Tensor, counts: cute.Tensor, tile_counters: cute.Tensor, stream: cuda.CUstream):
         flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * TOPK))
-        count_kernel(flat, counts).launch(grid=(EXPERTS, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        count_kernel(flat, counts, tile_counters).launch(grid=(EXPERTS, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.jit
     def scatter(
@@ -162,7 +166,7 @@ class Dispatch:
 def compile_entry(fake, entry):
     op = Dispatch()
     if entry == "count":
-        return op.count, (fake("ids"), fake("counts"), fake.stream())
+        return op.count, (fake("ids"), fake("counts"), fake("tile_counters"), fake.stream())
     if entry == "scatter":
         return op.scatter, (fake("ids"), fake("counts"), fake("pos"), fake("row_token"), fake("tile_expert"),
                             fake.stream())

@@ -10,8 +10,8 @@ padded to a multiple of 128), with e = tile_expert[m] (-1: unused, and so are al
 
 Shapes: A [M, 1024], B* [64, 2048, 1024], C [M, 2048], M symbolic.
 
-Persistent grid of min(132, tiles) CTAs; CTA i takes tiles i, i + grid, ... of the
-(M tile, N tile) grid in M-major order (CTAs running together share an A tile and
+Persistent grid of min(132, tiles) CTAs. A free CTA claims the next tile of the
+(M tile, N tile) grid from a launch-wide counter (tile_counter[1], zeroed by dispatch), in M-major order (CTAs running together share an A tile and
 the expert's weights in L2). Warp roles (384 threads):
   warpgroup 0        producer: warp 0 issues the TMA loads of A and B into a
                      4-stage shared-memory pipeline (full/empty mbarriers);
@@ -20,7 +20,9 @@ the expert's weights in L2). Warp roles (384 threads):
                      128x256 tile, K step 64, fp32 accumulators in registers
                      (raised to 232); then the epilogue: registers -> bf16 ->
                      shared memory (stmatrix) -> TMA store, 128x32 sub-tiles through
-                     4 buffers of their own, so the producer already loads the next tile.
+                     2 buffers of their own, so the producer already loads the next tile.
+                     A consumer whose 64-row slice holds no token (an expert's last,
+                     partly filled tile) skips its wgmma, so the other runs alone at full rate.
 """
 import cuda.bindings.driver as cuda
 
@@ -34,7 +36,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 TILE_MNK = (128, 256, 64)
 MMA_WARPGROUPS = 2
 STAGES = 4
-EPI_STAGES = 4
+EPI_STAGES = 2
 EPI_TILE = (128, 32)
 N_SIZE = 2048
 K_SIZE = 1024
@@ -46,12 +48,17 @@ CONSUMER_REGS = 232
 NUM_B = 1
 WG_THREADS = 128
 CONSUMER_THREADS = MMA_WARPGROUPS * WG_THREADS
+SLICE_ROWS = TILE_MNK[0] // MMA_WARPGROUPS  # rows of the M tile each consumer warpgroup owns
 N_TILES = (N_SIZE + TILE_MNK[1] - 1) // TILE_MNK[1]
 GATHER_A = False
 GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
 CHUNKS = TILE_MNK[2] // VEC  # 16-byte chunks per row of an A stage
 EPILOGUE_BARRIER = 1
+SCHED_STAGES = 2  # tile-scheduler slots in shared memory (the producer runs at most one tile ahead)
+SCHED_SLOT = 1  # this GEMM's entry in the tile_counter buffer
+# Warps that read every scheduled tile: the producer warps that load, and all consumer warps.
+SCHED_READERS = 1 + CONSUMER_THREADS // 32
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: trap, never hang
 
 
@@ -65,9 +72,41 @@ def tile_at(tile: cutlass.Int32, m_tiles_total: cutlass.Int32, tile_expert: cute
 
 
 @cute.jit
-def tile_after_unused(tile: cutlass.Int32, grid: cutlass.Int32, total_tiles: cutlass.Int32) -> cutlass.Int32:
-    """Unused M tiles come last in M-major order: the walk is over."""
-    return total_tiles
+def sched_claim(counter: cute.Pointer) -> cutlass.Int32:
+    """(one thread) Claim the next tile index of this launch. Claimed a tile ahead of its
+    use, so the atomic's round trip hides behind the current tile's loads."""
+    return cute.arch.atomic_add(counter, cutlass.Int32(1), sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def sched_publish(counter: cute.Pointer, sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int32,
+                  claimed: cutlass.Int32, m_tiles_total: cutlass.Int32, tile_expert: cute.Tensor):
+    """(one thread) Publish the claimed tile, or the next used one after it, to this CTA's
+    warps in slot i % SCHED_STAGES; -1 when no tile is left."""
+    total_tiles = m_tiles_total * N_TILES
+    tile = claimed
+    # Unused M tiles come last in M-major order: the first one ends the walk.
+    if tile < total_tiles:
+        if tile_at(tile, m_tiles_total, tile_expert)[2] < 0:
+            tile = -1
+    else:
+        tile = -1
+    slot = i % SCHED_STAGES
+    wait_bounded(sched_bar + SCHED_STAGES + slot, ((i // SCHED_STAGES) + 1) % 2)  # every reader has the old tile
+    sched_tile[slot] = tile
+    cute.arch.mbarrier_arrive(sched_bar + slot)
+
+
+@cute.jit
+def sched_read(sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int32) -> cutlass.Int32:
+    """(a whole warp) The i-th tile this CTA works on, or -1; frees the slot once the warp has it."""
+    slot = i % SCHED_STAGES
+    wait_bounded(sched_bar + slot, (i // SCHED_STAGES) % 2)
+    tile = sched_tile[slot]
+    cute.arch.sync_warp()
+    if cute.arch.lane_idx() == 0:
+        cute.arch.mbarrier_arrive(sched_bar + SCHED_STAGES + slot)
+    return tile
 
 
 @cute.jit
@@ -119,8 +158,10 @@ class GemmDown:
     def __call__(
         self,
         a: cute.Tensor,
+        row_token: cute.Tensor,
         b0: cute.Tensor,
         tile_expert: cute.Tensor,
+        tile_counter: cute.Tensor,
         c: cute.Tensor,
         stream: cuda.CUstream,
     ):
@@ -148,6 +189,8 @@ class GemmDown:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
+            sched_mbar: cute.struct.MemRange[cutlass.Int64, SCHED_STAGES * 2]  # full, then empty
+            sched_tile: cute.struct.MemRange[cutlass.Int32, SCHED_STAGES]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.io_dtype, cute.cosize(self.a_smem_staged)], self.buffer_align_bytes
             ]
@@ -163,10 +206,11 @@ class GemmDown:
         total_tiles = tile_expert.shape[0] * N_TILES
         grid_x = cutlass.min(SMS, total_tiles)
         self.kernel(
-            tma_a, tma_mA,
+            tma_a, tma_mA, row_token,
             tma_b0, tma_mB0,
             tma_c, tma_mC,
             tile_expert,
+            tile_counter,
             self.tiled_mma,
             self.a_smem_staged,
             self.b_smem_staged,
@@ -178,23 +222,22 @@ class GemmDown:
         self,
         tma_a: cute.CopyAtom,
         mA: cute.Tensor,
+        row_token: cute.Tensor,
         tma_b0: cute.CopyAtom,
         mB0: cute.Tensor,
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,
         tile_expert: cute.Tensor,
+        tile_counter: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         m_tiles_total = tile_expert.shape[0]
-        total_tiles = m_tiles_total * N_TILES
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -216,6 +259,19 @@ class GemmDown:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
+        # Tile scheduler: one producer thread claims tiles from a launch-wide counter
+        # (zeroed by dispatch) and hands each to the CTA's warps through SCHED_STAGES slots.
+        # CTAs take the next unclaimed tile when they are free, so the tiles in flight stay
+        # close together in the raster order (they share A and B in L2) even when tiles
+        # take different times; which CTA computes a tile never changes its bits.
+        sched_bar = storage.sched_mbar.data_ptr()
+        sched_tile = storage.sched_tile.get_tensor(cute.make_layout(SCHED_STAGES))
+        counter = tile_counter.iterator + SCHED_SLOT
+        if tidx == 0:
+            for slot in cutlass.range_constexpr(SCHED_STAGES):
+                cute.arch.mbarrier_init(sched_bar + slot, 1)
+                cute.arch.mbarrier_init(sched_bar + SCHED_STAGES + slot, SCHED_READERS)
+        cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive()
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -241,21 +297,27 @@ class GemmDown:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-                tile = cta
-                while tile < total_tiles:
+                sched_i = cutlass.Int32(0)
+                claimed = cutlass.Int32(0)
+                if tidx == 0:
+                    sched_publish(counter, sched_bar, sched_tile, sched_i, sched_claim(counter), m_tiles_total, tile_expert)
+                tile = sched_read(sched_bar, sched_tile, sched_i)
+                while tile >= 0:
+                    if tidx == 0:
+                        claimed = sched_claim(counter)
                     m_tile, n_tile, expert = tile_at(tile, m_tiles_total, tile_expert)
-                    if expert < 0:
-                        tile = tile_after_unused(tile, grid, total_tiles)
-                    else:
-                        for kt in cutlass.range(k_tiles, unroll=1):
-                            wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase)
-                            ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
-                            bar = ab_pipeline.producer_get_barrier(prod_state)
-                            cute.copy(tma_a, tAgA[(None, m_tile, kt, 0)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
-                            ab_pipeline.producer_commit(prod_state)
-                            prod_state.advance()
-                        tile = tile + grid
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase)
+                        ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
+                        bar = ab_pipeline.producer_get_barrier(prod_state)
+                        cute.copy(tma_a, tAgA[(None, m_tile, kt, 0)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
+                        ab_pipeline.producer_commit(prod_state)
+                        prod_state.advance()
+                    sched_i = sched_i + 1
+                    if tidx == 0:
+                        sched_publish(counter, sched_bar, sched_tile, sched_i, claimed, m_tiles_total, tile_expert)
+                    tile = sched_read(sched_bar, sched_tile, sched_i)
                 producer_tail_bounded(ab_pipeline, prod_state)
         else:
             # ---------------- consumer warpgroups ----------------
@@ -292,13 +354,18 @@ class GemmDown:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             epi_count = cutlass.Int32(0)
-            tile = cta
-            while tile < total_tiles:
+            sched_i = cutlass.Int32(0)
+            tile = sched_read(sched_bar, sched_tile, sched_i)
+            while tile >= 0:
                 m_tile, n_tile, expert = tile_at(tile, m_tiles_total, tile_expert)
-                if expert < 0:
-                    tile = tile_after_unused(tile, grid, total_tiles)
-                else:
-                    acc0.fill(0.0)
+                # A warpgroup whose row slice is all padding issues no wgmma; it only
+                # waits for each stage and releases it, and its accumulators stay zero.
+                # The branch sits outside the K loop: a wgmma commit on a path without
+                # wgmma makes ptxas add an empty one and serialise the batches.
+                slice_row = m_tile * TILE_MNK[0] + (wg_idx - 1) * SLICE_ROWS
+                active = row_token[slice_row] >= 0
+                acc0.fill(0.0)
+                if active:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     for kt in cutlass.range(k_tiles, unroll=1):
                         wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase)
@@ -316,28 +383,35 @@ class GemmDown:
                     cute.nvgpu.warpgroup.wait_group(0)
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
+                else:
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase)
+                        ab_pipeline.consumer_release(read_state)
+                        read_state.advance()
+                        release_state.advance()
 
-                    gC_epi = cute.zipped_divide(gC[(None, None, m_tile, n_tile, 0)], EPI_TILE)
-                    bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                        tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
-                    )
-                    epi_tiles = cute.size(gC_epi, mode=[1])
-                    epi_order = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
-                    for epi in cutlass.range_constexpr(epi_tiles):
-                        for v in cutlass.range_constexpr(rC_size):
-                            tRS_rC[v] = tRS_acc[epi * rC_size + v]
-                        tRS_out.store(tRS_rC.load().to(self.io_dtype))
-                        buf = (epi_count + epi) % EPI_STAGES
-                        cute.copy(r2s_copy, tRS_out, tRS_sC[(None, None, None, buf)])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_barrier.arrive_and_wait()
-                        if store_warp:
-                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(epi))])
-                            store_pipeline.producer_commit()
-                            store_pipeline.producer_acquire()
-                        epi_barrier.arrive_and_wait()
-                    epi_count = epi_count + epi_tiles
-                    tile = tile + grid
+                gC_epi = cute.zipped_divide(gC[(None, None, m_tile, n_tile, 0)], EPI_TILE)
+                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                    tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+                )
+                epi_tiles = cute.size(gC_epi, mode=[1])
+                epi_order = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
+                for epi in cutlass.range_constexpr(epi_tiles):
+                    for v in cutlass.range_constexpr(rC_size):
+                        tRS_rC[v] = tRS_acc[epi * rC_size + v]
+                    tRS_out.store(tRS_rC.load().to(self.io_dtype))
+                    buf = (epi_count + epi) % EPI_STAGES
+                    cute.copy(r2s_copy, tRS_out, tRS_sC[(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_barrier.arrive_and_wait()
+                    if store_warp:
+                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(epi))])
+                        store_pipeline.producer_commit()
+                        store_pipeline.producer_acquire()
+                    epi_barrier.arrive_and_wait()
+                epi_count = epi_count + epi_tiles
+                sched_i = sched_i + 1
+                tile = sched_read(sched_bar, sched_tile, sched_i)
             if store_warp:
                 store_pipeline.producer_tail()
 
@@ -345,6 +419,7 @@ class GemmDown:
 def compile_entry(fake, entry):
     """The (function, example arguments) pair that mokgen's compile step hands to cute.compile."""
     args = [fake("a")]
+    args.append(fake("row_token"))
     args.append(fake("b0"))
-    args += [fake("tile_expert"), fake("c"), fake.stream()]
+    args += [fake("tile_expert"), fake("tile_counter"), fake("c"), fake.stream()]
     return GemmDown(), tuple(args)

@@ -51,7 +51,8 @@ int mokgen_dispatch_count_launch(void **data, const int32_t *dyn, void *stream) 
     (void)dyn;
     mokgen_dispatch_count_Tensor_ids_t arg_ids = {data[0], {dyn[0]}};
     mokgen_dispatch_count_Tensor_counts_t arg_counts = {data[1]};
-    return cute_dsl_mokgen_dispatch_count_wrapper(&mod_dispatch_count, &arg_ids, &arg_counts, (cudaStream_t)stream);
+    mokgen_dispatch_count_Tensor_tile_counters_t arg_tile_counters = {data[2]};
+    return cute_dsl_mokgen_dispatch_count_wrapper(&mod_dispatch_count, &arg_ids, &arg_counts, &arg_tile_counters, (cudaStream_t)stream);
 }
 
 /* dispatch_scatter: send stage, dispatch.py:scatter */
@@ -91,8 +92,9 @@ int mokgen_gemm_gateup_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_gemm_gateup_Tensor_b0_t arg_b0 = {data[2]};
     mokgen_gemm_gateup_Tensor_b1_t arg_b1 = {data[3]};
     mokgen_gemm_gateup_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
-    mokgen_gemm_gateup_Tensor_c_t arg_c = {data[5], {dyn[3]}};
-    return cute_dsl_mokgen_gemm_gateup_wrapper(&mod_gemm_gateup, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_c, (cudaStream_t)stream);
+    mokgen_gemm_gateup_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_gateup_Tensor_c_t arg_c = {data[6], {dyn[3]}};
+    return cute_dsl_mokgen_gemm_gateup_wrapper(&mod_gemm_gateup, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_c, (cudaStream_t)stream);
 }
 
 /* gemm_down: gemm_down stage, gemm_down.py:main */
@@ -108,10 +110,12 @@ int mokgen_gemm_down_launch(void **data, const int32_t *dyn, void *stream) {
     if (load_err_gemm_down) return load_err_gemm_down;
     (void)dyn;
     mokgen_gemm_down_Tensor_a_t arg_a = {data[0], {dyn[0]}};
-    mokgen_gemm_down_Tensor_b0_t arg_b0 = {data[1]};
-    mokgen_gemm_down_Tensor_tile_expert_t arg_tile_expert = {data[2], {dyn[1]}};
-    mokgen_gemm_down_Tensor_c_t arg_c = {data[3], {dyn[2]}};
-    return cute_dsl_mokgen_gemm_down_wrapper(&mod_gemm_down, &arg_a, &arg_b0, &arg_tile_expert, &arg_c, (cudaStream_t)stream);
+    mokgen_gemm_down_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_down_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_down_Tensor_tile_expert_t arg_tile_expert = {data[3], {dyn[2]}};
+    mokgen_gemm_down_Tensor_tile_counter_t arg_tile_counter = {data[4]};
+    mokgen_gemm_down_Tensor_c_t arg_c = {data[5], {dyn[3]}};
+    return cute_dsl_mokgen_gemm_down_wrapper(&mod_gemm_down, &arg_a, &arg_row_token, &arg_b0, &arg_tile_expert, &arg_tile_counter, &arg_c, (cudaStream_t)stream);
 }
 
 /* combine: reduce stage, combine.py:main */
