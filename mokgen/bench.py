@@ -66,6 +66,15 @@ def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def gpu_state() -> dict:
+    """SM clock and board power right now (NVML). The generated GEMMs can run into the
+    power cap (H200: 700 W) and lose clock: these show when a figure was power-bound."""
+    try:
+        return dict(sm_clock_mhz=torch.cuda.clock_rate(), power_w=round(torch.cuda.power_draw() / 1000))
+    except Exception:  # no NVML: the timings still stand
+        return {}
+
+
 def _capture(fn):
     """A CUDA graph of fn (the generated op needs no host sync, so it captures): its replay
     time is the GPU time without launch overhead."""
@@ -113,9 +122,11 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
             out = fn() if name != "mokgen_graph" else impls["mokgen"]()
             err = rel_error(out, ref) if ref is not None else float("nan")
             ms = time_ms(fn, warmup=5 if name == "torch_loop" else 10, iters=10 if name == "torch_loop" else 50)
+            st = gpu_state()
             rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=err,
-                             routing=routing))
-            log(f"  {variant.name} T={T} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, rel_err {err:.2e}")
+                             routing=routing, **st))
+            log(f"  {variant.name} T={T} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, rel_err {err:.2e}"
+                + (f", {st['sm_clock_mhz']} MHz, {st['power_w']} W" if st else ""))
         torch.cuda.empty_cache()
     base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
     for r in rows:
@@ -124,12 +135,14 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
 
 
 def format_table(rows: list[dict], peak: float) -> str:
-    head = f"{'variant':34s} {'T':>6s} {'impl':17s} {'ms':>9s} {'TFLOP/s':>8s} {'x grouped':>9s} {'% peak':>7s} {'rel_err':>8s}"
+    head = (f"{'variant':34s} {'T':>6s} {'impl':17s} {'ms':>9s} {'TFLOP/s':>8s} {'x grouped':>9s} {'% peak':>7s} "
+            f"{'rel_err':>8s} {'MHz':>5s} {'W':>4s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = f"{r['speedup_vs_grouped_mm']:.2f}x" if r.get("speedup_vs_grouped_mm") else "-"
         lines.append(f"{r['variant']:34s} {r['T']:6d} {r['impl']:17s} {r['ms']:9.3f} {r['tflops']:8.1f} "
-                     f"{ratio:>9s} {100 * r['tflops'] / peak:6.1f}% {r['rel_err']:8.1e}")
+                     f"{ratio:>9s} {100 * r['tflops'] / peak:6.1f}% {r['rel_err']:8.1e} "
+                     f"{r.get('sm_clock_mhz', '-'):>5} {r.get('power_w', '-'):>4}")
     return "\n".join(lines)
 
 

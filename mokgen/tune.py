@@ -69,7 +69,7 @@ def measure(variant_dir: Path, tokens: list[int]) -> dict:
     """Golden check and timing of one candidate, in this process (see run())."""
     import torch
 
-    from .bench import time_ms
+    from .bench import gpu_state, time_ms
     from .reference import moe_reference, rel_error
     from .runtime import Variant
     from .verify import make_inputs
@@ -78,11 +78,14 @@ def measure(variant_dir: Path, tokens: list[int]) -> dict:
     x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(v.spec, 1000, "skewed", torch.Generator("cuda").manual_seed(7))
     got = v.forward(x, ids, w, wg, wu, wd, sg, su, sd)
     err = rel_error(got, moe_reference(x, ids, w, wg, wu, wd, sg, su, sd))
-    ms = {}
+    ms, state = {}, {}
     for T in tokens:
         x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(v.spec, T, "uniform", torch.Generator("cuda").manual_seed(T))
-        ms[str(T)] = time_ms(lambda: v.forward(x, ids, w, wg, wu, wd, sg, su, sd), 5, 20)
-    return dict(ms=ms, rel_err=err)
+        # As many calls as `mokgen bench` makes: fewer (20) ran partly at boost clock before
+        # the power cap bit and ranked candidates by up to 10% noise.
+        ms[str(T)] = time_ms(lambda: v.forward(x, ids, w, wg, wu, wd, sg, su, sd), 10, 50)
+        state[str(T)] = gpu_state()
+    return dict(ms=ms, rel_err=err, gpu_state=state)
 
 
 def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int = 300) -> dict:
