@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from mokgen.codegen import build, default_out
+from mokgen.codegen.build import build_profiling
 from mokgen.ir import MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -19,5 +20,7 @@ specs.append(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048))  # th
 for i, spec in enumerate(specs):
     print(f"[{i + 1}/{len(specs) + 1}] {spec.variant}", flush=True)
     build(spec, default_out(), force=force, log=lambda m: None)
-print(f"[{len(specs) + 1}/{len(specs) + 1}] debug variant with an injected deadlock", flush=True)
+print(f"[{len(specs) + 1}/{len(specs) + 1}] debug variant with an injected deadlock; profiling builds", flush=True)
 build(spec_of(SHAPES[0]), deadlock_dir(), overrides=DEADLOCK_OVERRIDES, force=force, log=lambda m: None)
+for shape in (SHAPES[0], SHAPES[4]):
+    build_profiling(spec_of(shape), force=force, log=lambda m: None)

@@ -83,9 +83,12 @@ def main():
 @click.option("--no-compile", is_flag=True, help="Render the source only (no CuTe-DSL needed).")
 @click.option("--from-manifest", "manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Build the spec recorded in a variant's manifest.json (other spec flags ignored).")
-def build(spec, out, jobs, force, no_compile, manifest):
+@click.option("--profile", is_flag=True,
+              help="Profiling build (under <out>/profile): every task records its SM and times for `mokgen profile`.")
+def build(spec, out, jobs, force, no_compile, manifest, profile):
     """Plan, render and compile one MoE layer. With no flags: the OLMoE-1B-7B layer."""
     from .codegen import BuildError, build as do_build
+    from .codegen.build import build_profiling
     from .schedule import PlanError
 
     if manifest:
@@ -95,7 +98,7 @@ def build(spec, out, jobs, force, no_compile, manifest):
             fail(f"{manifest} is not a mokgen manifest: {e}")
 
     try:
-        path = do_build(spec, out, jobs=jobs, force=force, compile=not no_compile)
+        path = (build_profiling if profile else do_build)(spec, out, jobs=jobs, force=force, compile=not no_compile)
     except (PlanError, SpecError) as e:
         fail(str(e))
     except BuildError as e:
@@ -167,6 +170,39 @@ def show(variant, as_json, png, png_tokens):
         if png_tokens < 1:
             fail("--tokens must be at least 1")
         click.echo(f"wrote {draw_schedule(plan, png, png_tokens)}")
+
+
+@main.command()
+@click.argument("variant")
+@click.option("--tokens", type=int, default=4096, show_default=True, help="Token count T of the profiled forward.")
+@click.option("--routing", type=click.Choice(["uniform", "skewed"]), default="uniform", show_default=True)
+@click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=Path("profile.png"), show_default=True,
+              help="Where to draw the per-SM timeline.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the task records and the summary as JSON.")
+def profile(variant, tokens, routing, png, json_path):
+    """The real device timeline of one forward: per-task SM and times from a profiling
+    build (`mokgen build --profile`), per-kernel spans, idle SM time, and a PNG per SM."""
+    import torch
+
+    from .codegen.build import profile_dir
+    from .profile import run as run_profile
+    from .runtime import Variant, VariantNotBuilt
+
+    if tokens < 1:
+        fail("--tokens must be at least 1")
+    name = _resolve_variant(variant).name
+    path = profile_dir() / name
+    if not (path / "manifest.json").exists():
+        fail(f"no profiling build of {name}: run `mokgen build --profile --from-manifest "
+             f"{_resolve_variant(variant) / 'manifest.json'}` where nvidia-cutlass-dsl is installed", code=1)
+    if not torch.cuda.is_available():
+        fail("profile needs a CUDA GPU", code=1)
+    try:
+        v = Variant(path)
+    except VariantNotBuilt as e:
+        fail(str(e), code=1)
+    run_profile(v, tokens, routing, png, json_path, log=click.echo)
 
 
 @main.command()

@@ -64,6 +64,23 @@ def test_gemm_sass_uses_hgmma_without_local_memory(built, spec):
         assert not any(op in sass for op in ("LDL", "STL")), f"{cubin.name}: local-memory traffic (spills)"
 
 
+def test_profiling_build_compiles_and_keeps_the_fast_path_clean(tmp_path):
+    """A profiling build (task records) compiles for every kernel kind, its GEMMs still
+    run on HGMMA without spills, and it lives apart from the normal build."""
+    from mokgen.codegen.build import build_profiling
+
+    spec = SPECS[3]  # routed and shared-expert GEMMs, dispatch, combine
+    path = build_profiling(spec, tmp_path, log=lambda m: None)
+    assert path.parent == tmp_path / "profile"
+    tool = nvdisasm()
+    for cubin in sorted((path / "build").glob("*.cubin")):
+        sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout if tool else ""
+        if tool and cubin.stem != "route":
+            assert "GLOBALTIMER" in sass, f"{cubin.name}: records no times"
+        if tool and "gemm" in cubin.stem or cubin.stem.startswith("shared"):
+            assert "HGMMA" in sass and not any(op in sass for op in ("LDL", "STL")), cubin.name
+
+
 def test_rebuild_is_a_no_op_and_failed_build_leaves_nothing(built, tmp_path, monkeypatch):
     import importlib
 

@@ -188,3 +188,46 @@ def test_a_deadlocked_kernel_fails_fast_instead_of_hanging():
     # as the next launch's error code (mokgen's LaunchError: "... (cudaError N)").
     assert any(s in p.stderr for s in ("CUDA error", "cudaError", "LaunchError")), p.stderr[-2000:]
     assert elapsed < 60, f"took {elapsed:.0f}s to fail"
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[4]], ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
+def test_profiling_build_is_golden_and_records_every_task(shape, gen, tmp_path):
+    import math
+
+    from mokgen.codegen.build import profile_dir
+    from mokgen.profile import collect, draw, summarize
+    from mokgen.runtime import Variant
+    from mokgen.verify import check_forward
+
+    path = profile_dir() / spec_of(shape).variant
+    if not (path / "build" / "libmokgen.so").exists():
+        from conftest import HAS_CUTLASS
+
+        if not HAS_CUTLASS:
+            pytest.skip("profiling build missing: run benchmarks/build_gpu_variants.py where CuTe-DSL is installed")
+        from mokgen.codegen.build import build_profiling
+
+        build_profiling(spec_of(shape), log=lambda m: None)
+    v = Variant(path)
+    T = 1000
+    r = check_forward(v, T, "skewed", gen)
+    assert not r.unwritten and r.rel_error <= TOL
+    records = collect(v, T, "skewed", seed=0)
+    assert len(records["combine"]) == T and len(records["dispatch_count"]) == v.spec.local_experts
+    sms = v.plan["target"]["sms"]
+    for name, rows in records.items():
+        assert rows, name
+        assert all(0 <= sm < sms and 0 <= s <= e for sm, s, e in rows), name
+    # Every used GEMM tile is recorded exactly once (the same inputs as collect's).
+    from mokgen.verify import make_inputs as mk
+
+    ids = mk(v.spec, T, "skewed", torch.Generator("cuda").manual_seed(0))[1]
+    counts = torch.bincount(ids.flatten().long(), minlength=v.spec.local_experts).tolist()
+    used_m_tiles = sum(math.ceil(c / v.plan["row_tile"]) for c in counts)
+    for k in v.plan["kernels"]:
+        if k["template"] == "grouped_gemm_persistent.py.j2":
+            m_tiles = math.ceil(T / v.plan["row_tile"]) if k["name"].startswith("shared") else used_m_tiles
+            assert len(records[k["name"]]) == m_tiles * math.ceil(k["params"]["n_size"] / k["params"]["tile_n"])
+    s = summarize(records, sms)
+    assert 0 <= s["idle_fraction"] < 1 and s["span_us"] > 0
+    assert draw(records, s, sms, tmp_path / "p.png", "test") is None or (tmp_path / "p.png").stat().st_size > 0

@@ -142,3 +142,21 @@ def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     for k in gemms:
         assert k.params["valid_rows"] == ("m_rows" if k.name.startswith("shared") else "row_token")
         assert any(a.tensor == "row_token" for a in k.args) == (k.params["valid_rows"] == "row_token")
+
+
+def test_profiling_build_gives_every_forward_kernel_a_task_record_buffer():
+    spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
+    plain, prof = make_plan(spec), make_plan(spec, overrides={"profile": True})
+    assert not any(b.name.startswith("prof_") for b in plain.buffers)
+    bufs = {b.name: b for b in prof.buffers}
+    for name in prof.steps["forward"]:
+        k = prof.kernel(name)
+        assert k.params.get("profile") and k.args[-1].name == "prof" and k.args[-1].tensor == f"prof_{name}"
+        assert bufs[f"prof_{name}"].init == "zeros" and bufs[f"prof_{name}"].shape[1] == "3"
+    assert not prof.kernel("route").params.get("profile")  # not part of the forward
+    # One row per task: GEMM tiles bound the routed and shared GEMMs' records.
+    rows = sympy.sympify(bufs["prof_gemm_down"].shape[0])
+    k = prof.kernel("gemm_down")
+    assert rows.subs("T", 1000) == (math.ceil(1000 * 4 / prof.row_tile) + 16) * math.ceil(1024 / k.params["tile_n"])
+    with pytest.raises(PlanError, match="true or false"):
+        make_plan(spec, overrides={"profile": 1})

@@ -59,5 +59,6 @@ class Combine:
 
 def compile_entry(fake, entry):
     args = [fake("ids"), fake("weights"), fake("pos"), fake("y")]
-    args += [fake("out"), fake.stream()]
+    args.append(fake("out"))
+    args.append(fake.stream())
     return Combine(), tuple(args)

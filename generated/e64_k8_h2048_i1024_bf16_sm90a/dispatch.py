@@ -142,7 +142,8 @@ class Dispatch:
     """Host entry points; one compiled function each."""
 
     @cute.jit
-    def count(self, ids: cute.Tensor, counts: cute.Tensor, tile_counters: cute.Tensor, stream: cuda.CUstream):
+    def count(self, ids: cute.Tensor, counts: cute.Tensor, tile_counters: cute.Tensor,
+              stream: cuda.CUstream):
         flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * TOPK))
         count_kernel(flat, counts, tile_counters).launch(grid=(EXPERTS, 1, 1), block=(THREADS, 1, 1), stream=stream)
 

@@ -421,5 +421,6 @@ def compile_entry(fake, entry):
     args = [fake("a")]
     args.append(fake("row_token"))
     args.append(fake("b0"))
-    args += [fake("tile_expert"), fake("tile_counter"), fake("c"), fake.stream()]
+    args += [fake("tile_expert"), fake("tile_counter"), fake("c")]
+    args.append(fake.stream())
     return GemmDown(), tuple(args)

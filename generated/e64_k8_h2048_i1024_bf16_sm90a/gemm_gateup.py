@@ -485,5 +485,6 @@ def compile_entry(fake, entry):
     args.append(fake("row_token"))
     args.append(fake("b0"))
     args.append(fake("b1"))
-    args += [fake("tile_expert"), fake("tile_counter"), fake("c"), fake.stream()]
+    args += [fake("tile_expert"), fake("tile_counter"), fake("c")]
+    args.append(fake.stream())
     return GemmGateup(), tuple(args)

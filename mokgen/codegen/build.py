@@ -121,6 +121,19 @@ def _link(build: Path, kernels: list[str]) -> Path:
     return out
 
 
+def profile_dir(out: Path | None = None) -> Path:
+    """Where profiling builds live: beside the normal builds, never in their place."""
+    return (Path(out) if out else default_out()) / "profile"
+
+
+def build_profiling(spec: MoESpec, out: Path | None = None, **kw) -> Path:
+    """The profiling build of `spec` (every task records its SM and times): the normal
+    build's Plan (tuning winner included) plus the "profile" override, under profile_dir."""
+    out = Path(out) if out else default_out()
+    tuned = resolve_plan(spec, out).overrides
+    return build(spec, profile_dir(out), overrides={**tuned, "profile": True}, **kw)
+
+
 def resolve_plan(spec: MoESpec, out: Path, overrides: dict | None = None) -> Plan:
     """The Plan a build uses: explicit overrides if given, else the winner of the
     variant's tuning record in `out` if there is one, else the cost model's."""

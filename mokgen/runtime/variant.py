@@ -20,7 +20,7 @@ from ..ir import MoESpec
 from ..ir.graph import T as T_SYM
 from .library import Launcher, cuda_stream, open_library
 
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 LIB_NAME = "libmokgen.so"
 
 
@@ -52,7 +52,11 @@ class Variant:
                                               for s in b["shape"]], b["init"])
             for b in self.plan["buffers"]
         ]
-        self.ops = _register_ops(self)
+        # A profiling build records every task's SM and times (Plan override "profile");
+        # it never takes over the torch ops of the normal build of the same variant.
+        self.profiling = bool(self.plan.get("overrides", {}).get("profile"))
+        self.last_records: dict = {}
+        self.ops = None if self.profiling else _register_ops(self)
 
     # ---- buffers ----------------------------------------------------------------
     @functools.lru_cache(maxsize=64)
@@ -95,6 +99,8 @@ class Variant:
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
             self.run("forward", env, x.device)
+            if self.profiling:
+                self.last_records = {n[len("prof_"):]: env[n] for n in env if n.startswith("prof_")}
         return out
 
     def route(self, logits):

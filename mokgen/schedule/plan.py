@@ -367,6 +367,19 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     forward.append("combine")
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
 
+    profile = bool((overrides or {}).get("profile"))
+    for k in kernels:  # every template reads the flag; only the forward's kernels record
+        k.params = dict(k.params, profile=profile and k.name in forward)
+    if profile:
+        tasks = {"dispatch_count": sympy.Integer(E), "dispatch_scatter": sympy.Integer(E), "combine": T}
+        for k in kernels:
+            if k.template == "grouped_gemm_persistent.py.j2":
+                m = s_tiles if k.name.startswith("shared") else m_tiles
+                tasks[k.name] = m * -(-k.params["n_size"] // k.params["tile_n"])
+        add_task_records(kernels, forward, buffers, tasks)
+        decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA) records its SM and "
+                         "its start and end time (globaltimer) in prof_<kernel>; `mokgen profile` draws them")
+
     plan = Plan(
         format=PLAN_FORMAT,
         mokgen_version=__version__,
@@ -389,8 +402,19 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     return plan
 
 
+def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -> None:
+    """A profiling build: kernel K of the forward gets a zeroed buffer prof_K [tasks, 3] (i64:
+    SM id, start ns, end ns; one row per task, at the task's index) as its last argument."""
+    for k in kernels:
+        if k.name not in forward:
+            continue
+        buf = f"prof_{k.name}"
+        buffers.append(Buffer(buf, "i64", [_expr(tasks[k.name]), "3"], init="zeros"))
+        k.args.append(KernelArg("prof", buf, "i64", ["P", 3]))
+
+
 # debug_unchecked skips the safety checks (tests inject a deadlock with it).
-OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked"
+OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|profile"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -402,9 +426,9 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"unknown plan override {key!r}")
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
-        if key == "debug_unchecked":
+        if key in ("debug_unchecked", "profile"):
             if not isinstance(value, bool):
-                raise PlanError("debug_unchecked must be true or false")
+                raise PlanError(f"{key} must be true or false")
             continue
         if not key.endswith(".raster") and (isinstance(value, bool) or not isinstance(value, int)):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
