@@ -11,7 +11,8 @@ from mokgen.codegen.build import build_profiling
 from mokgen.ir import MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_golden_gpu import DEADLOCK_OVERRIDES, SHAPES, deadlock_dir, spec_of  # noqa: E402
+from test_golden_gpu import (DEADLOCK_OVERRIDES, FUSED_OVERRIDES, SHAPES, deadlock_dir, fused_dir,  # noqa: E402
+                             spec_of)
 
 force = "--force" in sys.argv
 specs = [spec_of(s) for s in SHAPES]
@@ -24,3 +25,5 @@ print(f"[{len(specs) + 1}/{len(specs) + 1}] debug variant with an injected deadl
 build(spec_of(SHAPES[0]), deadlock_dir(), overrides=DEADLOCK_OVERRIDES, force=force, log=lambda m: None)
 for shape in (SHAPES[0], SHAPES[4]):
     build_profiling(spec_of(shape), force=force, log=lambda m: None)
+for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the fused-GEMM experiment
+    build(spec_of(shape), fused_dir(), overrides=FUSED_OVERRIDES, force=force, log=lambda m: None)

@@ -49,6 +49,10 @@ def candidates(spec: MoESpec) -> list[dict]:
                 out.append({f"{k.name}.epi_stages": epi})
         if p.get("gather_a") and p["stages"] - 2 > p["gather_lag"]:
             out.append({f"{k.name}.gather_lag": p["gather_lag"] + 1})
+    # One launch for both routed GEMMs (tiles linked by device counters), where it applies.
+    gu = next((k.params for k in plan.kernels if k.name == "gemm_gateup"), None)
+    if gu and spec.hidden % (2 * gu["tile_n"]) == 0 and spec.intermediate % gu["tile_n"] == 0:
+        out.append({"fuse_gemms": True})
     return out
 
 

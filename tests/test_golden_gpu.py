@@ -231,3 +231,50 @@ def test_profiling_build_is_golden_and_records_every_task(shape, gen, tmp_path):
     s = summarize(records, sms)
     assert 0 <= s["idle_fraction"] < 1 and s["span_us"] > 0
     assert draw(records, s, sms, tmp_path / "p.png", "test") is None or (tmp_path / "p.png").stat().st_size > 0
+
+
+# The fused GEMM (gate/up and down in one launch, tiles linked by device-side counters).
+FUSED_OVERRIDES = {"fuse_gemms": True}
+
+
+def fused_dir():
+    from mokgen.codegen import default_out
+
+    return default_out() / "experiments" / "fused"
+
+
+def fused_variant(shape):
+    from mokgen.runtime import Variant
+
+    path = fused_dir() / spec_of(shape).variant
+    if not (path / "build" / "libmokgen.so").exists():
+        from conftest import HAS_CUTLASS
+
+        if not HAS_CUTLASS:
+            pytest.skip("fused variant not built: run benchmarks/build_gpu_variants.py where CuTe-DSL is installed")
+        from mokgen.codegen import build
+
+        build(spec_of(shape), fused_dir(), overrides=FUSED_OVERRIDES, log=lambda m: None)
+    return Variant(path)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("T", [1, 7, 1000, 4096])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4]], ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
+def test_fused_gemms_golden(shape, T, routing, gen):
+    from mokgen.verify import check_forward
+
+    r = check_forward(fused_variant(shape), T, routing, gen)
+    assert not r.unwritten, "unwritten or NaN output rows"
+    assert r.rel_error <= TOL, f"relative error {r.rel_error:.3e} > {TOL}"
+
+
+def test_fused_gemms_match_the_multi_kernel_path_bit_for_bit(gen):
+    import mokgen
+
+    shape = SHAPES[0]
+    fused, plain = fused_variant(shape), mokgen.load(spec_of(shape))
+    x, ids, w, wg, wu, wd, _ = make_inputs(shape, 4096, "skewed", gen)
+    want = plain.forward(x, ids, w, wg, wu, wd)
+    for _ in range(5):
+        assert torch.equal(fused.forward(x, ids, w, wg, wu, wd), want)

@@ -160,3 +160,20 @@ def test_profiling_build_gives_every_forward_kernel_a_task_record_buffer():
     assert rows.subs("T", 1000) == (math.ceil(1000 * 4 / prof.row_tile) + 16) * math.ceil(1024 / k.params["tile_n"])
     with pytest.raises(PlanError, match="true or false"):
         make_plan(spec, overrides={"profile": 1})
+
+
+def test_fused_gemms_plan_links_the_tiles_through_counters():
+    spec = PRESETS["olmoe"]
+    p = make_plan(spec, overrides={"fuse_gemms": True})
+    assert p.steps["forward"] == ["dispatch_count", "dispatch_scatter", "gemm_fused", "combine"]
+    k = p.kernel("gemm_fused")
+    assert [a.tensor for a in k.args] == ["x", "row_token", "w_gate", "w_up", "tile_expert", "tile_counters",
+                                          "w_down", "h", "y", "h_ready"]
+    assert k.params["fused"] and k.params["n2_tiles"] == spec.hidden // (2 * k.params["tile_n"])
+    # dispatch_scatter zeroes h_ready and publishes the number of used M tiles.
+    assert [a.tensor for a in p.kernel("dispatch_scatter").args][-2:] == ["tile_counters", "h_ready"]
+    counters = next(b for b in p.buffers if b.name == "tile_counters")
+    assert int(counters.shape[0]) == k.params["used_slot"] + 1
+    assert {"fuse_gemms": True} in __import__("mokgen.tune", fromlist=["candidates"]).candidates(spec)
+    with pytest.raises(PlanError, match="multiple of"):
+        make_plan(MoESpec(experts=8, topk=2, hidden=192, intermediate=128), overrides={"fuse_gemms": True})

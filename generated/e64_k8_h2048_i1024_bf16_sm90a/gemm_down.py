@@ -421,6 +421,7 @@ def compile_entry(fake, entry):
     args = [fake("a")]
     args.append(fake("row_token"))
     args.append(fake("b0"))
-    args += [fake("tile_expert"), fake("tile_counter"), fake("c")]
+    args += [fake("tile_expert"), fake("tile_counter")]
+    args.append(fake("c"))
     args.append(fake.stream())
     return GemmDown(), tuple(args)

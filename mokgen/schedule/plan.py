@@ -239,9 +239,13 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 
     # One tile counter per grouped GEMM of the forward (the GEMMs' tile schedulers claim
     # tiles from it); dispatch_count zeroes them, so no extra launch or memset per call.
-    gemm_names = ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])
+    fuse = bool((overrides or {}).get("fuse_gemms"))
+    gemm_names = (["gemm_fused"] if fuse else ["gemm_gateup", "gemm_down"]) + \
+        (["shared_gateup", "shared_down"] if S else [])
+    # The fused GEMM also needs the number of used M tiles (written by dispatch_scatter).
+    used_slot = len(gemm_names)
     buffers = [
-        Buffer("tile_counters", "i32", [str(len(gemm_names))]),
+        Buffer("tile_counters", "i32", [str(len(gemm_names) + fuse)]),
         Buffer("counts", "i32", [str(E)]),
         Buffer("pos", "i32", ["T", str(K)]),
         Buffer("tile_expert", "i32", [_expr(m_tiles)]),
@@ -267,16 +271,19 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     kernels += [
         KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
                    [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
-                    KernelArg("tile_counters", "tile_counters", "i32", [len(gemm_names)])],
+                    KernelArg("tile_counters", "tile_counters", "i32", [len(gemm_names) + fuse])],
                    grid=f"({E},)", block=dispatch_threads,
                    warp_roles=["all warps: count one expert's pairs; CTA 0 also zeroes the GEMM tile counters"]),
         KernelPlan("dispatch_scatter", "send", "dispatch", "dispatch.py.j2", "scatter", dparams,
                    [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
                     KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("row_token", "row_token", "i32", ["M"]),
-                    KernelArg("tile_expert", "tile_expert", "i32", ["MT"])],
+                    KernelArg("tile_expert", "tile_expert", "i32", ["MT"])]
+                   + ([KernelArg("tile_counters", "tile_counters", "i32", [len(gemm_names) + 1]),
+                       KernelArg("h_ready", "h_ready", "i32", ["MT"])] if fuse else []),
                    grid=f"({E},)", block=dispatch_threads,
                    warp_roles=["all warps: stable compaction of one expert's pairs (block scan)"]),
     ]
+    dparams.update(fused=fuse, used_slot=used_slot)
     decisions.append(f"dispatch: one CTA of {dispatch_threads} threads per expert; scan-based stable "
                      "compaction keeps (token, slot) order, so positions are deterministic")
 
@@ -295,7 +302,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if epilogue == "swiglu":
             args.append(KernelArg("b1", b[1], "bf16", bshape))
         args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
-                 KernelArg("tile_counter", "tile_counters", "i32", [len(gemm_names)]),
+                 KernelArg("tile_counter", "tile_counters", "i32", [len(gemm_names) + fuse]),
                  KernelArg("c", c, "bf16", [m_sym, n])]
         raster = (overrides or {}).get(f"{name}.raster", "m")
         # Gathered A stages a producer warp keeps in flight before releasing the oldest.
@@ -314,14 +321,14 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         # tiles are full up to the last one, whose rows end at T.
         valid_rows = "row_token" if routed else "m_rows"
         params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster,
-                      valid_rows=valid_rows, sched_slot=gemm_names.index(name),
+                      valid_rows=valid_rows, sched_slot=gemm_names.index(name) if name in gemm_names else 0,
                       gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
             f"{name}: persistent over min({tl['sms']} SMs, tiles), tile {tl['tile_m']}x{tl['tile_n']}x{tl['tile_k']}, "
             f"{tl['stages']} stages ({smem // 1024} KiB smem), 1 producer + {tl['mma_warpgroups']} MMA warpgroups; "
-            f"tiles claimed from tile_counters[{gemm_names.index(name)}] in {raster}-major order, so the tiles in "
+            f"tiles claimed from tile_counters[{params['sched_slot']}] in {raster}-major order, so the tiles in "
             "flight stay together in L2 even when some take less time (half-empty ones)"
         )
         return KernelPlan(name, stage, name, "grouped_gemm_persistent.py.j2", "main", params, args,
@@ -331,14 +338,26 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                                       f"(stmatrix + TMA store), {tl['consumer_regs']} registers"],
                           smem_bytes=smem)
 
-    kernels.append(gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
-                        "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue.",
-                        gather_a=True))
+    gateup = gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
+                  "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue.", gather_a=True)
     decisions.append("gemm_gateup gathers its A rows from x (cp.async by the producer warpgroup): "
                      "no permuted copy of x")
-    kernels.append(gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
-                        "tile_expert", "M", "MT", E, "Routed down projection."))
-    forward = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"]
+    down = gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
+                "tile_expert", "M", "MT", E, "Routed down projection.")
+    model_params = {"gemm_gateup": gateup.params, "gemm_down": down.params}
+    if fuse:
+        kernels.append(fused_gemm(gateup, H, I, E, used_slot, target))
+        buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
+        decisions.append(
+            f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
+            f"tiles, then all down tiles); a down tile waits until h_ready[m] counts the "
+            f"{I // gateup.params['tile_n']} gate/up tiles of its M tile (release/acquire at GPU scope, "
+            "bounded spin), so there is no grid-wide barrier and no deadlock: a down tile only waits for tiles "
+            "claimed before it")
+        forward = ["dispatch_count", "dispatch_scatter", "gemm_fused"]
+    else:
+        kernels += [gateup, down]
+        forward = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"]
     if S:
         s_tiles = sympy.ceiling(T / row_tile)
         buffers += [Buffer("shared_tiles", "i32", [_expr(s_tiles)], init="zeros"),
@@ -375,7 +394,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         for k in kernels:
             if k.template == "grouped_gemm_persistent.py.j2":
                 m = s_tiles if k.name.startswith("shared") else m_tiles
-                tasks[k.name] = m * -(-k.params["n_size"] // k.params["tile_n"])
+                tasks[k.name] = m * (-(-k.params["n_size"] // k.params["tile_n"]) + k.params.get("n2_tiles", 0))
         add_task_records(kernels, forward, buffers, tasks)
         decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA) records its SM and "
                          "its start and end time (globaltimer) in prof_<kernel>; `mokgen profile` draws them")
@@ -396,10 +415,33 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         flops=str(graph.flops()),
         decisions=decisions,
         overrides=dict(overrides or {}),
-        task_graph=forward_task_graph(spec, {k.name: k.params for k in kernels}, target).to_dict(),
+        task_graph=forward_task_graph(spec, {**{k.name: k.params for k in kernels}, **model_params},
+                                      target).to_dict(),
     )
     check_plan(plan, graph)
     return plan
+
+
+def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target) -> KernelPlan:
+    """gate/up and down as one persistent kernel. A down tile (TILE_M x 2*tile_n) is two
+    tile_n-wide halves, so both kinds share the gate/up kernel's MMA shape (two B operands,
+    two accumulators), its shared-memory stages and its register budget."""
+    p = gateup.params
+    if H % (2 * p["tile_n"]) or I % p["tile_n"]:
+        raise PlanError(f"fuse_gemms: H={H} must be a multiple of {2 * p['tile_n']} and I={I} of {p['tile_n']}")
+    params = dict(p, fused=True, name="gemm_fused", class_name="GemmFused", n2_size=H, k2_size=I,
+                  n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot,
+                  doc="Routed gate/up (SwiGLU) and down projections in one launch.")
+    args = list(gateup.args[:-1]) + [
+        KernelArg("b2", "w_down", "bf16", [E, H, I]),
+        KernelArg("c", "h", "bf16", ["M", I]),
+        KernelArg("c2", "y", "bf16", ["M", H]),
+        KernelArg("h_ready", "h_ready", "i32", ["MT"]),
+    ]
+    return KernelPlan("gemm_fused", "gemm", "gemm_fused", "grouped_gemm_persistent.py.j2", "main", params, args,
+                      grid=f"(min({p['sms']}, MT*{I // p['tile_n'] + H // (2 * p['tile_n'])}),)", block=p["threads"],
+                      warp_roles=gateup.warp_roles + ["a down tile's TMA producer first waits on h_ready[m]"],
+                      smem_bytes=gateup.smem_bytes)
 
 
 def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -> None:
@@ -414,7 +456,7 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 
 
 # debug_unchecked skips the safety checks (tests inject a deadlock with it).
-OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|profile"
+OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|profile|fuse_gemms"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -426,7 +468,7 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"unknown plan override {key!r}")
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
-        if key in ("debug_unchecked", "profile"):
+        if key in ("debug_unchecked", "profile", "fuse_gemms"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
