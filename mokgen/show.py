@@ -52,7 +52,7 @@ def _spec_target(plan: dict):
 
 
 def format_task_graph(plan: dict, tokens=(64, 256, 1024, 4096, 16384)) -> str:
-    from .schedule.taskgraph import simulate
+    from .schedule.taskgraph import gemm_model_params, simulate
 
     tg = plan["task_graph"]
     out = ["task graph of the fused forward (one persistent launch; planned, not generated yet)",
@@ -63,7 +63,7 @@ def format_task_graph(plan: dict, tokens=(64, 256, 1024, 4096, 16384)) -> str:
     out += ["  " + line for line in _table(rows, ["prio", "task", "granularity", "tasks", "waits on", "signals", ""])]
     out += ["  counters: " + "; ".join(f"{c['name']}[{c['length']}] ({c['meaning']})" for c in tg["counters"])]
     spec, target = _spec_target(plan)
-    params = {k["name"]: k["params"] for k in plan["kernels"]}
+    params = gemm_model_params({k["name"]: k["params"] for k in plan["kernels"]})
     pred = []
     for T in tokens:
         fused = simulate(spec, params, target, T)["makespan_us"]
@@ -82,10 +82,10 @@ def draw_schedule(plan: dict, path, tokens: int = 4096):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .schedule.taskgraph import task_costs_us, simulate
+    from .schedule.taskgraph import gemm_model_params, simulate, task_costs_us
 
     spec, target = _spec_target(plan)
-    params = {k["name"]: k["params"] for k in plan["kernels"]}
+    params = gemm_model_params({k["name"]: k["params"] for k in plan["kernels"]})
     sim = simulate(spec, params, target, tokens)
     kinds = [k["name"] for k in plan["task_graph"]["kinds"]]
     colors = {k: plt.cm.tab10(i % 10) for i, k in enumerate(kinds)}

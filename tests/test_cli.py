@@ -60,3 +60,21 @@ def test_build_from_manifest(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert CliRunner().invoke(main, ["build", "--from-manifest", str(bad)]).exit_code == 2
+
+
+def test_profiling_build_renders_apart_and_profile_explains_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOKGEN_HOME", str(tmp_path))
+    args = ["--experts", "16", "--topk", "4", "--hidden", "512", "--intermediate", "256", "--no-compile"]
+    assert CliRunner().invoke(main, ["build", *args]).exit_code == 0
+    variant = "e16_k4_h512_i256_bf16_sm90a"
+    # No profiling build yet: a clear error naming the command that makes one.
+    r = CliRunner().invoke(main, ["profile", variant])
+    assert r.exit_code == 1 and "mokgen build --profile" in r.output
+    r = CliRunner().invoke(main, ["build", "--profile", *args])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "profile" / variant / "manifest.json").read_text())
+    assert manifest["plan"]["overrides"] == {"profile": True}
+    assert any(b["name"] == "prof_gemm_gateup" for b in manifest["plan"]["buffers"])
+    normal = json.loads((tmp_path / variant / "manifest.json").read_text())
+    assert not any(b["name"].startswith("prof_") for b in normal["plan"]["buffers"])
+    assert CliRunner().invoke(main, ["profile", variant, "--tokens", "0"]).exit_code == 2

@@ -49,3 +49,14 @@ def test_show_png(tmp_path):
 
     out = draw_schedule(make_plan(PRESETS["deepseek-v3"]).to_dict(), tmp_path / "s.png", 1024)
     assert out.exists() and out.stat().st_size > 10_000
+
+
+def test_show_prices_a_fused_gemm_plan_like_the_two_gemms_it_runs():
+    from mokgen.ir import PRESETS
+    from mokgen.schedule import make_plan
+    from mokgen.show import format_plan
+
+    plain = make_plan(PRESETS["olmoe"])
+    fused = make_plan(PRESETS["olmoe"], overrides={"fuse_gemms": True})
+    assert "gemm_fused" in format_plan(fused.to_dict())
+    assert fused.task_graph == plain.task_graph  # the same model: same tiles, same rates

@@ -19,7 +19,7 @@ from .. import __version__
 from ..ir import Graph, MoESpec, forward_graph
 from ..ir.graph import T
 from .target import Target, target_for
-from .taskgraph import forward_task_graph
+from .taskgraph import forward_task_graph, gemm_model_params
 
 PLAN_FORMAT = 1
 
@@ -344,7 +344,6 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                      "no permuted copy of x")
     down = gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
                 "tile_expert", "M", "MT", E, "Routed down projection.")
-    model_params = {"gemm_gateup": gateup.params, "gemm_down": down.params}
     if fuse:
         kernels.append(fused_gemm(gateup, H, I, E, used_slot, target))
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
@@ -415,7 +414,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         flops=str(graph.flops()),
         decisions=decisions,
         overrides=dict(overrides or {}),
-        task_graph=forward_task_graph(spec, {**{k.name: k.params for k in kernels}, **model_params},
+        task_graph=forward_task_graph(spec, gemm_model_params({k.name: k.params for k in kernels}),
                                       target).to_dict(),
     )
     check_plan(plan, graph)

@@ -60,6 +60,18 @@ def _e(x) -> str:
     return str(sympy.simplify(x))
 
 
+def gemm_model_params(params_by_kernel: dict) -> dict:
+    """Kernel params by name, with the fused routed GEMM (if the Plan has one) seen as the
+    gate/up and down GEMMs it runs, which is what the cost model prices."""
+    out = dict(params_by_kernel)
+    fused = out.get("gemm_fused")
+    if fused:
+        out["gemm_gateup"] = fused
+        out["gemm_down"] = dict(fused, n_size=fused["n2_size"], k_size=fused["k2_size"],
+                                tile_n=2 * fused["tile_n"], epilogue="store", gather_a=False)
+    return out
+
+
 def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
     """Task kinds, counters and roles of the fused forward for one spec."""
     E, K, S = spec.local_experts, spec.topk, spec.shared_intermediate
