@@ -28,6 +28,9 @@ the expert's weights in L2). Warp roles (384 threads):
                      2 buffers of their own, so the producer already loads the next tile.
                      A consumer whose 64-row slice holds no token (an expert's last,
                      partly filled tile) skips its wgmma, so the other runs alone at full rate.
+Tile scheduler: producer thread 0 claims tile indices (atomicAdd, one tile ahead) and
+hands each to the CTA's warps through two shared-memory slots (full/empty mbarriers);
+-1 ends the walk.
 """
 import cuda.bindings.driver as cuda
 
