@@ -66,6 +66,30 @@ def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def energy_mj() -> int | None:
+    """The GPU's energy counter (NVML, mJ since the driver loaded), or None without NVML."""
+    try:
+        import pynvml
+
+        return pynvml.nvmlDeviceGetTotalEnergyConsumption(torch.cuda._get_pynvml_handler(None))
+    except Exception:  # no NVML, or a GPU without the counter: the timings still stand
+        return None
+
+
+def time_with_energy(fn, warmup: int = 10, iters: int = 50) -> tuple[float, float | None]:
+    """(median ms per call, mean J per call). Energy over a separate run of back-to-back
+    calls, long enough (>= 0.3 s) for the counter's resolution."""
+    ms = time_ms(fn, warmup, iters)
+    reps = max(iters, int(300 / max(ms, 1e-3)))
+    torch.cuda.synchronize()
+    e0 = energy_mj()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    e1 = energy_mj()
+    return ms, ((e1 - e0) / 1000 / reps if e0 is not None and e1 is not None else None)
+
+
 def gpu_state() -> dict:
     """SM clock and board power right now (NVML). The generated GEMMs can run into the
     power cap (H200: 700 W) and lose clock: these show when a figure was power-bound."""
@@ -121,12 +145,18 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
         for name, fn in impls.items():
             out = fn() if name != "mokgen_graph" else impls["mokgen"]()
             err = rel_error(out, ref) if ref is not None else float("nan")
-            ms = time_ms(fn, warmup=5 if name == "torch_loop" else 10, iters=10 if name == "torch_loop" else 50)
+            if name == "torch_loop":
+                ms, joules = time_ms(fn, 5, 10), None
+            else:
+                ms, joules = time_with_energy(fn)
             st = gpu_state()
+            if joules is not None:
+                st["joules"] = joules
             rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=err,
                              routing=routing, **st))
             log(f"  {variant.name} T={T} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, rel_err {err:.2e}"
-                + (f", {st['sm_clock_mhz']} MHz, {st['power_w']} W" if st else ""))
+                + (f", {st['sm_clock_mhz']} MHz, {st['power_w']} W" if "power_w" in st else "")
+                + (f", {st['joules']:.3f} J per call" if "joules" in st else ""))
         torch.cuda.empty_cache()
     base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
     for r in rows:
@@ -136,13 +166,14 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
 
 def format_table(rows: list[dict], peak: float) -> str:
     head = (f"{'variant':34s} {'T':>6s} {'impl':17s} {'ms':>9s} {'TFLOP/s':>8s} {'x grouped':>9s} {'% peak':>7s} "
-            f"{'rel_err':>8s} {'MHz':>5s} {'W':>4s}")
+            f"{'rel_err':>8s} {'MHz':>5s} {'W':>4s} {'J/call':>7s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = f"{r['speedup_vs_grouped_mm']:.2f}x" if r.get("speedup_vs_grouped_mm") else "-"
         lines.append(f"{r['variant']:34s} {r['T']:6d} {r['impl']:17s} {r['ms']:9.3f} {r['tflops']:8.1f} "
                      f"{ratio:>9s} {100 * r['tflops'] / peak:6.1f}% {r['rel_err']:8.1e} "
-                     f"{r.get('sm_clock_mhz', '-'):>5} {r.get('power_w', '-'):>4}")
+                     f"{r.get('sm_clock_mhz', '-'):>5} {r.get('power_w', '-'):>4} "
+                     f"{format(r['joules'], '.3f') if 'joules' in r else '-':>7}")
     return "\n".join(lines)
 
 
