@@ -91,8 +91,8 @@ def sched_publish(counter: cute.Pointer, sched_bar: cute.Pointer, sched_tile: cu
                   claimed: cutlass.Int32, m_tiles_total: cutlass.Int32, tile_expert: cute.Tensor):
     """(one thread) Publish the claimed tile, or the next used one after it, to this CTA's
     warps in slot i % SCHED_STAGES; -1 when no tile is left."""
-    total_tiles = m_tiles_total * N_TILES
     tile = claimed
+    total_tiles = m_tiles_total * N_TILES
     # Unused M tiles come last in M-major order: the first one ends the walk.
     if tile < total_tiles:
         if tile_at(tile, m_tiles_total, tile_expert)[2] < 0:
