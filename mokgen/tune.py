@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .ir import MoESpec
 from .schedule import make_plan
-from .schedule.plan import tile_n_choices
+from .schedule.plan import PlanError, tile_n_choices
 
 RECORD_FORMAT = 1
 
@@ -49,10 +49,12 @@ def candidates(spec: MoESpec) -> list[dict]:
                 out.append({f"{k.name}.epi_stages": epi})
         if p.get("gather_a") and p["stages"] - 2 > p["gather_lag"]:
             out.append({f"{k.name}.gather_lag": p["gather_lag"] + 1})
-    # One launch for both routed GEMMs (tiles linked by device counters), where it applies.
-    gu = next((k.params for k in plan.kernels if k.name == "gemm_gateup"), None)
-    if gu and spec.hidden % (2 * gu["tile_n"]) == 0 and spec.intermediate % gu["tile_n"] == 0:
+    # One launch for both routed GEMMs (tiles linked by device counters), where the Plan can make it.
+    try:
+        make_plan(spec, overrides={"fuse_gemms": True})
         out.append({"fuse_gemms": True})
+    except PlanError:
+        pass
     return out
 
 

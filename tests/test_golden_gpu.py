@@ -82,22 +82,31 @@ def test_deterministic_bits(routing, gen):
 
 def test_cuda_graph_capture_and_replay(gen):
     import mokgen
+
+    for err in capture_and_replay(mokgen.moe, SHAPES[0], ("skewed",), gen):
+        assert err <= TOL
+
+
+def capture_and_replay(forward, shape, routings, gen):
+    """Capture forward(x, ids, w, wg, wu, wd) once in a CUDA graph at T=1000, then replay it
+    with fresh inputs of each routing copied into the captured tensors; yields each replay's
+    relative error against the float64 reference."""
     from mokgen.reference import moe_reference, rel_error
 
-    shape = SHAPES[0]
     x, ids, w, wg, wu, wd, _ = make_inputs(shape, 1000, "uniform", gen)
-    mokgen.moe(x, ids, w, wg, wu, wd)  # load outside the capture
+    forward(x, ids, w, wg, wu, wd)  # load outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = mokgen.moe(x, ids, w, wg, wu, wd)
-    x2, ids2, w2, *_ = make_inputs(shape, 1000, "skewed", gen)
-    x.copy_(x2)
-    ids.copy_(ids2)
-    w.copy_(w2)
-    g.replay()
-    torch.cuda.synchronize()
-    assert rel_error(out, moe_reference(x, ids, w, wg, wu, wd)) <= TOL
+        out = forward(x, ids, w, wg, wu, wd)
+    for routing in routings:
+        x2, ids2, w2, *_ = make_inputs(shape, 1000, routing, gen)
+        x.copy_(x2)
+        ids.copy_(ids2)
+        w.copy_(w2)
+        g.replay()
+        torch.cuda.synchronize()
+        yield rel_error(out, moe_reference(x, ids, w, wg, wu, wd))
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
@@ -284,21 +293,6 @@ def test_fused_gemms_match_the_multi_kernel_path_bit_for_bit(gen):
 
 
 def test_fused_launch_captures_and_replays_with_new_inputs(gen):
-    from mokgen.reference import moe_reference, rel_error
-
-    shape = SHAPES[0]
-    v = fused_variant(shape)
-    x, ids, w, wg, wu, wd, _ = make_inputs(shape, 1000, "uniform", gen)
-    v.forward(x, ids, w, wg, wu, wd)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = v.forward(x, ids, w, wg, wu, wd)
-    for routing in ("skewed", "uniform"):  # new routing each replay: the h_ready counters reset in dispatch
-        x2, ids2, w2, *_ = make_inputs(shape, 1000, routing, gen)
-        x.copy_(x2)
-        ids.copy_(ids2)
-        w.copy_(w2)
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_error(out, moe_reference(x, ids, w, wg, wu, wd)) <= TOL
+    # A new routing each replay: the h_ready counters are reset by dispatch inside the graph.
+    for err in capture_and_replay(fused_variant(SHAPES[0]).forward, SHAPES[0], ("skewed", "uniform"), gen):
+        assert err <= TOL

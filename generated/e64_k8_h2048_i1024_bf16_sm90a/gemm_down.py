@@ -24,7 +24,7 @@ the expert's weights in L2). Warp roles (384 threads):
                      A consumer whose 64-row slice holds no token (an expert's last,
                      partly filled tile) skips its wgmma, so the other runs alone at full rate.
 Tile scheduler: producer thread 0 claims tile indices (atomicAdd, one tile ahead) and
-hands each to the CTA's warps through two shared-memory slots (full/empty mbarriers);
+hands each to the CTA's warps through 2 shared-memory slots (full/empty mbarriers);
 -1 ends the walk.
 """
 import cuda.bindings.driver as cuda
@@ -58,7 +58,7 @@ GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases
 VEC = 8  # bf16 elements per 16-byte cp.async
 CHUNKS = TILE_MNK[2] // VEC  # 16-byte chunks per row of an A stage
 EPILOGUE_BARRIER = 1
-SCHED_STAGES = 2  # tile-scheduler slots in shared memory (the producer runs at most one tile ahead)
+SCHED_STAGES = 2  # tile-scheduler slots in shared memory
 SCHED_SLOT = 1  # this GEMM's entry in the tile_counter buffer
 # Warps that read every scheduled tile: the producer warps that load, and all consumer warps.
 SCHED_READERS = 1 + CONSUMER_THREADS // 32

@@ -30,6 +30,9 @@ WGMMA_ROWS = 64
 # E64 K8 H2048 I1024 at T=16384, three runs: 2 buffers instead of 4 made gate/up 3-8% and
 # down 1-6% faster (T=4096 and E256 K8 H7168 I2048: within 1%); 8 was slower.
 EPI_STAGES = 2
+# Tile-scheduler slots per CTA: the producer claims one tile ahead of the one it loads, so
+# it publishes tile i + 1 while readers may still hold tile i.
+SCHED_STAGES = 2
 # bf16 K step of one TMA box row: 64 elements = 128 bytes, the 128-byte swizzle width.
 TILE_K = 64
 # Shared memory kept back for mbarriers and alignment padding.
@@ -322,6 +325,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         valid_rows = "row_token" if routed else "m_rows"
         params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster,
                       valid_rows=valid_rows, sched_slot=gemm_names.index(name) if name in gemm_names else 0,
+                      sched_stages=SCHED_STAGES,
                       gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
