@@ -81,6 +81,20 @@ def test_profiling_build_compiles_and_keeps_the_fast_path_clean(tmp_path):
             assert "HGMMA" in sass and not any(op in sass for op in ("LDL", "STL")), cubin.name
 
 
+def test_cluster_build_multicasts_the_weight_tiles(tmp_path):
+    from mokgen.codegen import build
+
+    path = build(SPECS[0], tmp_path, overrides={"cluster_m": 2}, log=lambda m: None)
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed")
+    for name in ("gemm_gateup", "gemm_down"):
+        sass = subprocess.run([tool, str(path / "build" / f"{name}.cubin")], capture_output=True, text=True,
+                              check=True).stdout
+        assert "UTMALDG.3D.MULTICAST" in sass and "HGMMA" in sass, name
+        assert not any(op in sass for op in ("LDL", "STL")), name
+
+
 def test_rebuild_is_a_no_op_and_failed_build_leaves_nothing(built, tmp_path, monkeypatch):
     import importlib
 

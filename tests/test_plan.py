@@ -177,3 +177,15 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
     assert {"fuse_gemms": True} in __import__("mokgen.tune", fromlist=["candidates"]).candidates(spec)
     with pytest.raises(PlanError, match="multiple of"):
         make_plan(MoESpec(experts=8, topk=2, hidden=192, intermediate=128), overrides={"fuse_gemms": True})
+
+
+def test_cluster_plan_pairs_an_experts_m_tiles():
+    p = make_plan(PRESETS["olmoe"], overrides={"cluster_m": 2})
+    assert p.kernel("gemm_gateup").params["cluster_m"] == 2 and p.kernel("gemm_down").params["cluster_m"] == 2
+    assert p.kernel("dispatch_scatter").params["tile_align"] == 2
+    bound = sympy.sympify(next(b for b in p.buffers if b.name == "tile_expert").shape[0])
+    assert all(int(bound.subs("T", t)) % 2 == 0 for t in (1, 7, 1000, 16384))
+    with pytest.raises(PlanError):
+        make_plan(PRESETS["olmoe"], overrides={"cluster_m": 2, "fuse_gemms": True})
+    with pytest.raises(PlanError):
+        make_plan(PRESETS["olmoe"], overrides={"cluster_m": 3})

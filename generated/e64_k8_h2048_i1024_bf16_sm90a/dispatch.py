@@ -28,6 +28,7 @@ import cutlass.memory
 EXPERTS = 64
 TOPK = 8
 TILE_M = 128
+TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM cluster size)
 THREADS = 1024
 WARPS = THREADS // 32
 ITEMS = 4  # pairs per thread and step of the compaction
@@ -76,7 +77,7 @@ def scatter_kernel(
         before = cutlass.Int32(0)
         total = cutlass.Int32(0)
         for j in cutlass.range(EXPERTS, unroll=1):
-            tiles_j = (counts[j] + (TILE_M - 1)) // TILE_M
+            tiles_j = (counts[j] + (TILE_M * TILE_ALIGN - 1)) // (TILE_M * TILE_ALIGN) * TILE_ALIGN
             if j < e:
                 before = before + tiles_j
             total = total + tiles_j
@@ -87,7 +88,7 @@ def scatter_kernel(
     tiles_total = shared_scalars[1]
 
     my_count = counts[e]
-    my_tiles = (my_count + (TILE_M - 1)) // TILE_M
+    my_tiles = (my_count + (TILE_M * TILE_ALIGN - 1)) // (TILE_M * TILE_ALIGN) * TILE_ALIGN
     for i in cutlass.range(tidx, my_tiles, THREADS, unroll=1):
         tile_expert[tiles_before + i] = e
     # Padding rows of e's last tile: no token.

@@ -235,7 +235,20 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         row_tile, why = overrides["row_tile"], "set by override"
     decisions.append(f"row tile {row_tile}: each expert's rows start on a multiple of it, so every GEMM M tile "
                      f"has one expert; {why}")
-    m_tiles = sympy.ceiling(T * K / row_tile) + E
+    # Clusters of 2 CTAs along M share (multicast) the routed GEMMs' weight tiles, so an
+    # expert's M tiles come in pairs: dispatch pads each expert to an even tile count.
+    cluster_m = int((overrides or {}).get("cluster_m", 1))
+    if cluster_m == 2:
+        if (overrides or {}).get("fuse_gemms"):
+            raise PlanError("cluster_m=2 and fuse_gemms together are not generated yet")
+        if any((overrides or {}).get(f"{g}.raster", "m") != "m" for g in ("gemm_gateup", "gemm_down")):
+            raise PlanError("cluster_m=2 needs M-major raster order")
+        m_tiles = 2 * sympy.ceiling(T * K / (2 * row_tile)) + 2 * E
+        decisions.append("cluster 2x1 for the routed GEMMs: the two CTAs take M tiles 2p and 2p+1 of one expert "
+                         "and the same N tile, each loads half of every weight tile and multicasts it to both "
+                         "(half the L2-to-SM weight traffic); experts padded to an even number of M tiles")
+    else:
+        m_tiles = sympy.ceiling(T * K / row_tile) + E
     rows = m_tiles * row_tile
     decisions.append(f"routed M tiles bounded by ceil(T*K/{row_tile}) + E = {_expr(m_tiles)}: "
                      "sized on the host from T alone, no host sync")
@@ -270,7 +283,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 
     # send: count, then scatter (positions, row -> token table, tile table)
     dispatch_threads = min(1024, target.max_threads_per_block)
-    dparams = dict(experts=E, topk=K, tile_m=row_tile, threads=dispatch_threads, items_per_thread=DISPATCH_ITEMS)
+    dparams = dict(experts=E, topk=K, tile_m=row_tile, threads=dispatch_threads, items_per_thread=DISPATCH_ITEMS,
+                   tile_align=cluster_m)
     kernels += [
         KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
                    [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
@@ -324,6 +338,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         # tiles are full up to the last one, whose rows end at T.
         valid_rows = "row_token" if routed else "m_rows"
         params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster,
+                      cluster_m=cluster_m if routed else 1,
                       valid_rows=valid_rows, sched_slot=gemm_names.index(name) if name in gemm_names else 0,
                       sched_stages=SCHED_STAGES,
                       gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns,
@@ -459,7 +474,7 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 
 
 # debug_unchecked skips the safety checks (tests inject a deadlock with it).
-OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|profile|fuse_gemms"
+OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|profile|fuse_gemms|cluster_m"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -478,6 +493,7 @@ def check_overrides(overrides: dict) -> None:
         if not key.endswith(".raster") and (isinstance(value, bool) or not isinstance(value, int)):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
         if ((key == "row_tile" and value not in (64, 128)) or (key == "wait_timeout_ms" and value < 1)
+                or (key == "cluster_m" and value not in (1, 2))
                 or (key.endswith(".epi_stages") and value not in range(1, 9))):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
 
