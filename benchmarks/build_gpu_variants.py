@@ -11,8 +11,8 @@ from mokgen.codegen.build import build_profiling
 from mokgen.ir import MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_golden_gpu import (DEADLOCK_OVERRIDES, FUSED_OVERRIDES, SHAPES, deadlock_dir, fused_dir,  # noqa: E402
-                             spec_of)
+from test_golden_gpu import (CHUNKED_OVERRIDES, DEADLOCK_OVERRIDES, FUSED_OVERRIDES, SHAPES,  # noqa: E402
+                             chunked_dir, deadlock_dir, fused_dir, spec_of)
 
 force = "--force" in sys.argv
 specs = [spec_of(s) for s in SHAPES]
@@ -27,3 +27,5 @@ for shape in (SHAPES[0], SHAPES[4]):
     build_profiling(spec_of(shape), force=force, log=lambda m: None)
 for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the fused-GEMM experiment
     build(spec_of(shape), fused_dir(), overrides=FUSED_OVERRIDES, force=force, log=lambda m: None)
+for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the chunked-dispatch experiment
+    build(spec_of(shape), chunked_dir(), overrides=CHUNKED_OVERRIDES, force=force, log=lambda m: None)
