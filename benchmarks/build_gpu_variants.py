@@ -11,8 +11,8 @@ from mokgen.codegen.build import build_profiling
 from mokgen.ir import MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_golden_gpu import (CLUSTER_OVERRIDES, DEADLOCK_OVERRIDES, FUSED_OVERRIDES, SHAPES,  # noqa: E402
-                             cluster_dir, deadlock_dir, fused_dir, spec_of)
+from test_golden_gpu import (CHUNKED_OVERRIDES, CLUSTER_OVERRIDES, DEADLOCK_OVERRIDES, FUSED_OVERRIDES,  # noqa: E402
+                             SHAPES, chunked_dir, cluster_dir, deadlock_dir, fused_dir, spec_of)
 
 force = "--force" in sys.argv
 specs = [spec_of(s) for s in SHAPES]
@@ -29,3 +29,5 @@ for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the fused-GEMM experiment
     build(spec_of(shape), fused_dir(), overrides=FUSED_OVERRIDES, force=force, log=lambda m: None)
 for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the 2-CTA multicast experiment
     build(spec_of(shape), cluster_dir(), overrides=CLUSTER_OVERRIDES, force=force, log=lambda m: None)
+for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the chunked-dispatch experiment
+    build(spec_of(shape), chunked_dir(), overrides=CHUNKED_OVERRIDES, force=force, log=lambda m: None)

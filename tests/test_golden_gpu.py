@@ -308,6 +308,16 @@ def cluster_dir():
     return default_out() / "experiments" / "cluster2"
 
 
+# The O(T*K) chunked dispatch (Plan override dispatch_chunked): same positions, same bits.
+CHUNKED_OVERRIDES = {"dispatch_chunked": True}
+
+
+def chunked_dir():
+    from mokgen.codegen import default_out
+
+    return default_out() / "experiments" / "chunked"
+
+
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 @pytest.mark.parametrize("T", [1, 7, 1000, 4096, 16384])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4]], ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
@@ -325,3 +335,19 @@ def test_cluster_multicast_gives_the_same_bits(shape, T, routing, gen):
     got = clustered.forward(x, ids, w, wg, wu, wd, sg, su, sd)
     assert not torch.isnan(got).any()
     assert torch.equal(got, want)  # same tiles, same K order: the same bits
+
+
+def test_chunked_dispatch_gives_the_same_bits(shape, T, routing, gen):
+    import mokgen
+    from mokgen.runtime import Variant
+
+    path = chunked_dir() / spec_of(shape).variant
+    if not (path / "build" / "libmokgen.so").exists():
+        pytest.skip("chunked-dispatch variant not built: run benchmarks/build_gpu_variants.py")
+    chunked, plain = Variant(path), mokgen.load(spec_of(shape))
+    chunked.poison = plain.poison = True
+    x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(shape, T, routing, gen)
+    want = plain.forward(x, ids, w, wg, wu, wd, sg, su, sd)
+    got = chunked.forward(x, ids, w, wg, wu, wd, sg, su, sd)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)

@@ -25,7 +25,8 @@ def test_committed_default_variant_equals_a_fresh_render():
 
 def test_rendered_modules_are_python_and_manifest_is_complete():
     spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
-    files = render(make_plan(spec))
+    plan = make_plan(spec)
+    files = render(plan)
     assert {"route.py", "dispatch.py", "gemm_gateup.py", "gemm_down.py", "shared_gateup.py", "shared_down.py",
             "combine.py", "launch.c", "manifest.json"} == set(files)
     for rel, text in files.items():
@@ -33,7 +34,9 @@ def test_rendered_modules_are_python_and_manifest_is_complete():
             compile(text, rel, "exec")
     m = json.loads(files["manifest.json"])
     assert m["spec"] == spec.to_dict()
-    assert set(m["templates"]) == {p.name for p in TEMPLATE_DIR.glob("*.j2")}
+    # The templates this Plan renders (their hashes decide when a build is stale).
+    assert set(m["templates"]) == {k.template for k in plan.kernels} | {"launch.c.j2"}
+    assert set(m["templates"]) <= {p.name for p in TEMPLATE_DIR.glob("*.j2")}
     assert m["cute_dsl_version"] == "4.8.1" and m["plan"]["variant"] == spec.variant
 
 

@@ -301,8 +301,13 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                    warp_roles=["all warps: stable compaction of one expert's pairs (block scan)"]),
     ]
     dparams.update(fused=fuse, used_slot=used_slot)
-    decisions.append(f"dispatch: one CTA of {dispatch_threads} threads per expert; scan-based stable "
-                     "compaction keeps (token, slot) order, so positions are deterministic")
+    if (overrides or {}).get("dispatch_chunked"):
+        kernels[-2:] = chunked_dispatch(kernels[-2:], dparams, K, E, buffers)
+        decisions.append(f"dispatch: O(T*K), one CTA of {CHUNK_THREADS} threads per {CHUNK_PAIRS} pairs; per-chunk "
+                         "histograms, fixed-order sums and match.sync ranks keep (token, slot) order")
+    else:
+        decisions.append(f"dispatch: one CTA of {dispatch_threads} threads per expert; scan-based stable "
+                         "compaction keeps (token, slot) order, so positions are deterministic")
 
     def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc, gather_a=False,
              routed=True):
@@ -407,6 +412,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     profile = bool((overrides or {}).get("profile"))
     for k in kernels:  # every template reads the flag; only the forward's kernels record
         k.params = dict(k.params, profile=profile and k.name in forward)
+    if profile and (overrides or {}).get("dispatch_chunked"):
+        raise PlanError("a profiling build of the chunked dispatch is not generated yet")
     if profile:
         tasks = {"dispatch_count": sympy.Integer(E), "dispatch_scatter": sympy.Integer(E), "combine": T}
         for k in kernels:
@@ -438,6 +445,31 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     )
     check_plan(plan, graph)
     return plan
+
+
+CHUNK_THREADS = 256  # chunked dispatch: threads per CTA (8 warps)
+CHUNK_PAIRS = 1024  # and (token, slot) pairs per CTA: 4 ranking steps of 32 per warp
+
+
+def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) -> list:
+    """The O(T*K) dispatch (templates/dispatch_chunked.py.j2): the same outputs as the
+    per-expert one, with per-chunk histograms in chunk_hist [ceil(T*K/CHUNK_PAIRS), E]."""
+    chunks = sympy.ceiling(T * K / CHUNK_PAIRS)
+    buffers.append(Buffer("chunk_hist", "i32", [_expr(chunks), str(E)]))
+    hist = KernelArg("chunk_hist", "chunk_hist", "i32", ["C", E])
+    params = dict(dparams, threads=CHUNK_THREADS, chunk=CHUNK_PAIRS)
+    count, scatter = plain
+    grid = f"(ceil(T*{K}/{CHUNK_PAIRS}),)"
+    count_args = [count.args[0], hist, count.args[2]]  # ids, chunk_hist, tile_counters
+    scatter_args = [scatter.args[0], hist] + scatter.args[1:]  # ids, chunk_hist, counts, pos, ...
+    return [
+        KernelPlan("dispatch_count", "send", "dispatch", "dispatch_chunked.py.j2", "count", params, count_args,
+                   grid=grid, block=CHUNK_THREADS,
+                   warp_roles=["all warps: histogram one chunk of pairs; CTA 0 also zeroes the GEMM tile counters"]),
+        KernelPlan("dispatch_scatter", "send", "dispatch", "dispatch_chunked.py.j2", "scatter", params, scatter_args,
+                   grid=grid, block=CHUNK_THREADS,
+                   warp_roles=["all warps: rank one chunk's pairs (match.sync), write positions and tables"]),
+    ]
 
 
 def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target) -> KernelPlan:
@@ -474,7 +506,7 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 
 
 # debug_unchecked skips the safety checks (tests inject a deadlock with it).
-OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|profile|fuse_gemms|cluster_m"
+OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|profile|fuse_gemms|cluster_m|dispatch_chunked"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -486,7 +518,7 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"unknown plan override {key!r}")
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
-        if key in ("debug_unchecked", "profile", "fuse_gemms"):
+        if key in ("debug_unchecked", "profile", "fuse_gemms", "dispatch_chunked"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
