@@ -3,7 +3,7 @@
     spec (MoESpec) -> stage graph (ir) -> Plan (schedule) -> CuTe-DSL source (codegen)
     -> ahead-of-time compiled kernels -> torch ops (runtime)
 
-Public API: MoESpec, load, moe, route.
+Public API: MoESpec, load, moe, route, check_errors.
 """
 __version__ = "0.1.0"
 
@@ -25,6 +25,14 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
                 ws_down=ws_down, **kw)
 
 
+def check_errors():
+    """Raise KernelTimeout if a generated kernel gave up a bounded wait in an earlier call
+    (waits for the launched work first). Later calls also raise it, without waiting."""
+    from .runtime import check_errors as _check
+
+    _check()
+
+
 def route(router_logits, topk: int, *, renormalize: bool = False, experts_spec=None):
     """Router logits [T, E] (fp32) -> (topk_ids int32 [T, K], topk_weights fp32 [T, K])."""
     from .runtime import route as _route
@@ -32,4 +40,4 @@ def route(router_logits, topk: int, *, renormalize: bool = False, experts_spec=N
     return _route(router_logits, topk, renormalize=renormalize)
 
 
-__all__ = ["MoESpec", "SpecError", "load", "moe", "route", "__version__"]
+__all__ = ["MoESpec", "SpecError", "check_errors", "load", "moe", "route", "__version__"]

@@ -132,7 +132,9 @@ def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     gemms = [k for k in p.kernels if k.template == "grouped_gemm_persistent.py.j2"]
     slots = [k.params["sched_slot"] for k in gemms]
     counters = next(b for b in p.buffers if b.name == "tile_counters")
-    assert sorted(slots) == list(range(len(gemms))) == list(range(int(counters.shape[0])))
+    # One counter per GEMM, then the launch's error code (status_slot).
+    assert sorted(slots) == list(range(len(gemms))) == list(range(int(counters.shape[0]) - 1))
+    assert {k.params["status_slot"] for k in gemms} == {int(counters.shape[0]) - 1}
     forward = p.steps["forward"]
     zeroing = [s for s in forward if any(a.tensor == "tile_counters" for a in p.kernel(s).args)
                and p.kernel(s).template == "dispatch.py.j2"]
@@ -173,7 +175,7 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
     # dispatch_scatter zeroes h_ready and publishes the number of used M tiles.
     assert [a.tensor for a in p.kernel("dispatch_scatter").args][-2:] == ["tile_counters", "h_ready"]
     counters = next(b for b in p.buffers if b.name == "tile_counters")
-    assert int(counters.shape[0]) == k.params["used_slot"] + 1
+    assert int(counters.shape[0]) == k.params["used_slot"] + 2 == k.params["status_slot"] + 1
     assert {"fuse_gemms": True} in __import__("mokgen.tune", fromlist=["candidates"]).candidates(spec)
     with pytest.raises(PlanError, match="multiple of"):
         make_plan(MoESpec(experts=8, topk=2, hidden=192, intermediate=128), overrides={"fuse_gemms": True})

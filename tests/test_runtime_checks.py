@@ -21,3 +21,11 @@ def test_cpu_inputs_are_refused():
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="must be on a CUDA device"):
         check_moe_inputs(x, None, None, None, None, None, None, None, None)
+
+
+def test_a_timed_out_wait_is_reported_by_kernel_and_site():
+    from mokgen.runtime.variant import timeout_message
+
+    msg = timeout_message("e64_k8_h2048_i1024_bf16_sm90a", {0: "gemm_gateup", 1: "gemm_down"}, 16 * 2 + 2, 500)
+    assert "gemm_down" in msg and "free pipeline stage" in msg and "500 ms" in msg and "still usable" in msg
+    assert "GEMM slot 6" in timeout_message("v", {}, 16 * 7 + 9, 1)

@@ -62,7 +62,14 @@ SCHED_STAGES = 2  # tile-scheduler slots in shared memory
 SCHED_SLOT = 1  # this GEMM's entry in the tile_counter buffer
 # Warps that read every scheduled tile: the producer warps that load, and all consumer warps.
 SCHED_READERS = 1 + CONSUMER_THREADS // 32
-WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: trap, never hang
+WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: give up, report it
+STATUS_POLL_NS = 1_000_000  # a wait this long also checks whether another thread already gave up
+STATUS_SLOT = 2  # tile_counter entry for the launch's error code (0: none)
+ERROR_BASE = 32  # error code = ERROR_BASE + site: which kernel, which wait
+SITE_STAGE_FULL = 1  # a consumer waited for a loaded stage
+SITE_STAGE_FREE = 2  # the producer waited for a stage to be released
+SITE_SCHED = 3  # a warp waited for the tile scheduler (or it for its readers)
+SITE_H_READY = 4  # a down tile waited for its gate/up tiles (fused launch)
 
 
 @cute.jit
@@ -83,7 +90,7 @@ def sched_claim(counter: cute.Pointer) -> cutlass.Int32:
 
 @cute.jit
 def sched_publish(counter: cute.Pointer, sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int32,
-                  claimed: cutlass.Int32, m_tiles_total: cutlass.Int32, tile_expert: cute.Tensor):
+                  claimed: cutlass.Int32, m_tiles_total: cutlass.Int32, tile_expert: cute.Tensor, status: cute.Pointer):
     """(one thread) Publish the claimed tile, or the next used one after it, to this CTA's
     warps in slot i % SCHED_STAGES; -1 when no tile is left."""
     tile = claimed
@@ -95,16 +102,16 @@ def sched_publish(counter: cute.Pointer, sched_bar: cute.Pointer, sched_tile: cu
     else:
         tile = -1
     slot = i % SCHED_STAGES
-    wait_bounded(sched_bar + SCHED_STAGES + slot, ((i // SCHED_STAGES) + 1) % 2)  # every reader has the old tile
+    wait_bounded(sched_bar + SCHED_STAGES + slot, ((i // SCHED_STAGES) + 1) % 2, status, SITE_SCHED)  # every reader has the old tile
     sched_tile[slot] = tile
     cute.arch.mbarrier_arrive(sched_bar + slot)
 
 
 @cute.jit
-def sched_read(sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int32) -> cutlass.Int32:
+def sched_read(sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int32, status: cute.Pointer) -> cutlass.Int32:
     """(a whole warp) The i-th tile this CTA works on, or -1; frees the slot once the warp has it."""
     slot = i % SCHED_STAGES
-    wait_bounded(sched_bar + slot, (i // SCHED_STAGES) % 2)
+    wait_bounded(sched_bar + slot, (i // SCHED_STAGES) % 2, status, SITE_SCHED)
     tile = sched_tile[slot]
     cute.arch.sync_warp()
     if cute.arch.lane_idx() == 0:
@@ -113,25 +120,32 @@ def sched_read(sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int3
 
 
 @cute.jit
-def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32):
-    """Wait for an mbarrier phase, but never forever: after WAIT_TIMEOUT_NS the thread
-    traps, so the launch fails with a CUDA error instead of hanging the GPU."""
+def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute.Pointer, site: cutlass.Int32):
+    """Wait for an mbarrier phase, but never forever. After WAIT_TIMEOUT_NS the thread
+    records an error code (this kernel, the wait's site) in status and stops waiting; once
+    any thread has recorded one, every later wait gives up within STATUS_POLL_NS. So a
+    deadlock ends the kernel normally (garbage output, CUDA context intact) and the host
+    raises a clear error from the code."""
     done = cute.arch.mbarrier_try_wait(barrier, phase)
     if not done:
         start = cute.arch.globaltimer()
         while not done:
             done = cute.arch.mbarrier_try_wait(barrier, phase)
             if not done:
-                if cute.arch.globaltimer() - start > WAIT_TIMEOUT_NS:
-                    # No printf here: its argument buffer would put local memory in the kernel.
-                    cute.arch.inline_ptx("trap;")
+                waited = cute.arch.globaltimer() - start
+                if waited > WAIT_TIMEOUT_NS:
+                    cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=ERROR_BASE + site, sem="relaxed", scope="gpu")
+                    done = True
+                elif waited > STATUS_POLL_NS:
+                    if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
+                        done = True
 
 
 @cute.jit
-def producer_tail_bounded(ab_pipeline, state):
+def producer_tail_bounded(ab_pipeline, state, status: cute.Pointer):
     """Before the producer leaves, every stage it filled has been released (bounded wait)."""
     for _ in cutlass.range_constexpr(STAGES):
-        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(state.index), state.phase)
+        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(state.index), state.phase, status, SITE_STAGE_FREE)
         state.advance()
 
 
@@ -270,6 +284,7 @@ class GemmDown:
         sched_bar = storage.sched_mbar.data_ptr()
         sched_tile = storage.sched_tile.get_tensor(cute.make_layout(SCHED_STAGES))
         counter = tile_counter.iterator + SCHED_SLOT
+        status = tile_counter.iterator + STATUS_SLOT
         if tidx == 0:
             for slot in cutlass.range_constexpr(SCHED_STAGES):
                 cute.arch.mbarrier_init(sched_bar + slot, 1)
@@ -303,14 +318,14 @@ class GemmDown:
                 sched_i = cutlass.Int32(0)
                 claimed = cutlass.Int32(0)
                 if tidx == 0:
-                    sched_publish(counter, sched_bar, sched_tile, sched_i, sched_claim(counter), m_tiles_total, tile_expert)
-                tile = sched_read(sched_bar, sched_tile, sched_i)
+                    sched_publish(counter, sched_bar, sched_tile, sched_i, sched_claim(counter), m_tiles_total, tile_expert, status)
+                tile = sched_read(sched_bar, sched_tile, sched_i, status)
                 while tile >= 0:
                     if tidx == 0:
                         claimed = sched_claim(counter)
                     m_tile, n_tile, expert = tile_at(tile, m_tiles_total, tile_expert)
                     for kt in cutlass.range(k_tiles, unroll=1):
-                        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase)
+                        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE)
                         ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
                         bar = ab_pipeline.producer_get_barrier(prod_state)
                         cute.copy(tma_a, tAgA[(None, m_tile, kt, 0)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
@@ -319,9 +334,9 @@ class GemmDown:
                         prod_state.advance()
                     sched_i = sched_i + 1
                     if tidx == 0:
-                        sched_publish(counter, sched_bar, sched_tile, sched_i, claimed, m_tiles_total, tile_expert)
-                    tile = sched_read(sched_bar, sched_tile, sched_i)
-                producer_tail_bounded(ab_pipeline, prod_state)
+                        sched_publish(counter, sched_bar, sched_tile, sched_i, claimed, m_tiles_total, tile_expert, status)
+                    tile = sched_read(sched_bar, sched_tile, sched_i, status)
+                producer_tail_bounded(ab_pipeline, prod_state, status)
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -358,7 +373,7 @@ class GemmDown:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             epi_count = cutlass.Int32(0)
             sched_i = cutlass.Int32(0)
-            tile = sched_read(sched_bar, sched_tile, sched_i)
+            tile = sched_read(sched_bar, sched_tile, sched_i, status)
             while tile >= 0:
                 m_tile, n_tile, expert = tile_at(tile, m_tiles_total, tile_expert)
                 # A warpgroup whose row slice is all padding issues no wgmma; it only
@@ -371,7 +386,7 @@ class GemmDown:
                 if active:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     for kt in cutlass.range(k_tiles, unroll=1):
-                        wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase)
+                        wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase, status, SITE_STAGE_FULL)
                         cute.nvgpu.warpgroup.fence()
                         for kb in cutlass.range(k_blocks, unroll_full=True):
                             coord = (None, None, kb, read_state.index)
@@ -388,7 +403,7 @@ class GemmDown:
                     release_state.advance()
                 else:
                     for kt in cutlass.range(k_tiles, unroll=1):
-                        wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase)
+                        wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase, status, SITE_STAGE_FULL)
                         ab_pipeline.consumer_release(read_state)
                         read_state.advance()
                         release_state.advance()
@@ -414,7 +429,7 @@ class GemmDown:
                     epi_barrier.arrive_and_wait()
                 epi_count = epi_count + epi_tiles
                 sched_i = sched_i + 1
-                tile = sched_read(sched_bar, sched_tile, sched_i)
+                tile = sched_read(sched_bar, sched_tile, sched_i, status)
             if store_warp:
                 store_pipeline.producer_tail()
 

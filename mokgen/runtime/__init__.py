@@ -10,7 +10,7 @@ import torch
 from ..ir import MoESpec
 from .checks import InputError, check_ids_in_range, check_moe_inputs
 from .library import LaunchError
-from .variant import Variant, VariantNotBuilt
+from .variant import KernelTimeout, Variant, VariantNotBuilt
 
 _LOADED: dict[str, Variant] = {}
 
@@ -120,4 +120,12 @@ def route(router_logits, topk: int, *, renormalize: bool = False, variant: Varia
     return variant.ops.route(router_logits)
 
 
-__all__ = ["InputError", "LaunchError", "Variant", "VariantNotBuilt", "load", "moe", "route", "find_variant"]
+def check_errors() -> None:
+    """Wait for the launched work of every loaded variant; raise KernelTimeout if a kernel
+    gave up a bounded wait (its call's output is invalid)."""
+    for v in _LOADED.values():
+        v.check_errors()
+
+
+__all__ = ["InputError", "KernelTimeout", "LaunchError", "Variant", "VariantNotBuilt", "check_errors", "load", "moe",
+           "route", "find_variant"]

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..ir import MoESpec
 from ..ir.graph import T as T_SYM
+from ..schedule.plan import WAIT_TIMEOUT_MS
 from .library import Launcher, cuda_stream, open_library
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
@@ -26,6 +27,24 @@ LIB_NAME = "libmokgen.so"
 
 class VariantNotBuilt(RuntimeError):
     pass
+
+
+class KernelTimeout(RuntimeError):
+    """A generated kernel gave up a wait that exceeded its bound (a deadlock, or a bug).
+    The output of that call is invalid; the CUDA context stays usable."""
+
+
+# Where a GEMM wait gave up (the low 4 bits of its error code; templates/grouped_gemm_persistent.py.j2).
+WAIT_SITES = {1: "a consumer waiting for a loaded pipeline stage", 2: "the producer waiting for a free pipeline stage",
+              3: "a warp waiting on the tile scheduler", 4: "a down tile waiting for its gate/up tiles (h_ready)"}
+
+
+def timeout_message(variant: str, gemm_by_slot: dict, code: int, timeout_ms: int) -> str:
+    """The error a timed-out wait's code (16 * (GEMM slot + 1) + wait site) turns into."""
+    kernel = gemm_by_slot.get(code // 16 - 1, f"GEMM slot {code // 16 - 1}")
+    site = WAIT_SITES.get(code % 16, f"wait site {code % 16}")
+    return (f"{variant}: {kernel} gave up {site} after the {timeout_ms} ms bound (error code {code}): a deadlock "
+            "or a bug, so that call's output is invalid; the CUDA context is still usable")
 
 
 class Variant:
@@ -56,6 +75,14 @@ class Variant:
         # it never takes over the torch ops of the normal build of the same variant.
         self.profiling = bool(self.plan.get("overrides", {}).get("profile"))
         self.last_records: dict = {}
+        # The GEMMs' error code (0: none) lands in the last tile_counters entry; each call
+        # copies it to pinned host memory behind its kernels, checked without a sync.
+        self._status_slot = next((k["params"]["status_slot"] for k in self.plan["kernels"]
+                                  if "status_slot" in k["params"]), None)
+        self._gemm_by_slot = {k["params"]["sched_slot"]: k["name"] for k in self.plan["kernels"]
+                              if "status_slot" in k["params"]}
+        self._status_host = None
+        self._status_event = None
         self.ops = None if self.profiling else _register_ops(self)
 
     # ---- buffers ----------------------------------------------------------------
@@ -78,6 +105,35 @@ class Variant:
                 ws[name] = torch.empty(shape, dtype=dt, device=device)
         return ws
 
+    def _check_status(self, wait: bool) -> None:
+        """Raise KernelTimeout if an earlier call's kernels recorded a timed-out wait.
+        wait=False looks only if that call has finished (never blocks)."""
+        if self._status_host is None:
+            return
+        if self._status_event is not None and not wait and not self._status_event.query():
+            return
+        if wait:
+            torch.cuda.synchronize()
+        code = int(self._status_host[0])
+        if code:
+            self._status_host[0] = 0
+            raise KernelTimeout(timeout_message(self.name, self._gemm_by_slot, code,
+                                                self.plan["overrides"].get("wait_timeout_ms", WAIT_TIMEOUT_MS)))
+
+    def check_errors(self) -> None:
+        """Wait for this variant's launched work and raise KernelTimeout if a kernel gave up a wait."""
+        self._check_status(wait=True)
+
+    def _record_status(self, env: dict) -> None:
+        if self._status_slot is None:
+            return
+        if self._status_host is None:
+            self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._status_host.copy_(env["tile_counters"][self._status_slot:self._status_slot + 1], non_blocking=True)
+        if not torch.cuda.is_current_stream_capturing():
+            self._status_event = torch.cuda.Event()
+            self._status_event.record()
+
     def run(self, entry: str, env: dict, device) -> None:
         stream = cuda_stream(device)
         for name in self.plan["steps"][entry]:
@@ -92,6 +148,7 @@ class Variant:
             out = torch.empty_like(x)
         if tokens == 0:
             return out
+        self._check_status(wait=False)  # an error of an earlier, finished call surfaces here
         with torch.cuda.device(x.device):
             env = self._workspace(tokens, x.device)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up,
@@ -99,6 +156,7 @@ class Variant:
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
             self.run("forward", env, x.device)
+            self._record_status(env)
             if self.profiling:
                 self.last_records = {n[len("prof_"):]: env[n] for n in env if n.startswith("prof_")}
         return out

@@ -260,8 +260,11 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         (["shared_gateup", "shared_down"] if S else [])
     # The fused GEMM also needs the number of used M tiles (written by dispatch_scatter).
     used_slot = len(gemm_names)
+    # Last entry: the launch's error code, set by a GEMM wait that timed out (0: none).
+    status_slot = len(gemm_names) + fuse
+    n_counters = status_slot + 1
     buffers = [
-        Buffer("tile_counters", "i32", [str(len(gemm_names) + fuse)]),
+        Buffer("tile_counters", "i32", [str(n_counters)]),
         Buffer("counts", "i32", [str(E)]),
         Buffer("pos", "i32", ["T", str(K)]),
         Buffer("tile_expert", "i32", [_expr(m_tiles)]),
@@ -288,14 +291,14 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     kernels += [
         KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
                    [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
-                    KernelArg("tile_counters", "tile_counters", "i32", [len(gemm_names) + fuse])],
+                    KernelArg("tile_counters", "tile_counters", "i32", [n_counters])],
                    grid=f"({E},)", block=dispatch_threads,
                    warp_roles=["all warps: count one expert's pairs; CTA 0 also zeroes the GEMM tile counters"]),
         KernelPlan("dispatch_scatter", "send", "dispatch", "dispatch.py.j2", "scatter", dparams,
                    [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
                     KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("row_token", "row_token", "i32", ["M"]),
                     KernelArg("tile_expert", "tile_expert", "i32", ["MT"])]
-                   + ([KernelArg("tile_counters", "tile_counters", "i32", [len(gemm_names) + 1]),
+                   + ([KernelArg("tile_counters", "tile_counters", "i32", [n_counters]),
                        KernelArg("h_ready", "h_ready", "i32", ["MT"])] if fuse else []),
                    grid=f"({E},)", block=dispatch_threads,
                    warp_roles=["all warps: stable compaction of one expert's pairs (block scan)"]),
@@ -324,7 +327,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if epilogue == "swiglu":
             args.append(KernelArg("b1", b[1], "bf16", bshape))
         args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
-                 KernelArg("tile_counter", "tile_counters", "i32", [len(gemm_names) + fuse]),
+                 KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
                  KernelArg("c", c, "bf16", [m_sym, n])]
         raster = (overrides or {}).get(f"{name}.raster", "m")
         # Gathered A stages a producer warp keeps in flight before releasing the oldest.
@@ -346,6 +349,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                       cluster_m=cluster_m if routed else 1,
                       valid_rows=valid_rows, sched_slot=gemm_names.index(name) if name in gemm_names else 0,
                       sched_stages=SCHED_STAGES,
+                      status_slot=status_slot,
                       gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
