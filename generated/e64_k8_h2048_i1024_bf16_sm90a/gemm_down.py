@@ -58,6 +58,7 @@ GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases
 VEC = 8  # bf16 elements per 16-byte cp.async
 CHUNKS = TILE_MNK[2] // VEC  # 16-byte chunks per row of an A stage
 EPILOGUE_BARRIER = 1
+CLUSTER_M = 1  # CTAs per cluster along M; they share (multicast) the B tiles
 SCHED_STAGES = 2  # tile-scheduler slots in shared memory
 SCHED_SLOT = 1  # this GEMM's entry in the tile_counter buffer
 # Warps that read every scheduled tile: the producer warps that load, and all consumer warps.
@@ -273,7 +274,7 @@ class GemmDown:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, CLUSTER_M, 1, 1)),
             defer_sync=True,
         )
         # Tile scheduler: one producer thread claims tiles from a launch-wide counter
