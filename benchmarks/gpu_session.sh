@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
-# Usage: bash benchmarks/gpu_session.sh [tests] [bench] [fused] [profile VARIANT T] [bench-exp DIR VARIANT T]
+# Usage: bash benchmarks/gpu_session.sh [tests] [bench] [exp NAME VARIANT T,T,..] [profile VARIANT T]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
@@ -13,9 +13,9 @@ while [ $# -gt 0 ]; do
       $B --variant e128_k8_h2048_i768_bf16_sm90a --tokens 16384 --baselines torch_grouped_mm --json "$OUT/e128.json" 2>&1 | tail -4 | tee -a "$OUT/bench.log"
       $B --variant e256_k8_h7168_i2048_bf16_sm90a --tokens 8192 --baselines torch_grouped_mm --json "$OUT/e256.json" 2>&1 | tail -4 | tee -a "$OUT/bench.log"
       shift ;;
-    fused) timeout 150 python3 benchmarks/fused_vs_multikernel.py 64,256,1024,4096,16384 --json "$OUT/fused.json" 2>&1 | tee -a "$OUT/bench.log"; shift ;;
+    exp) timeout 200 python3 benchmarks/compare_experiment.py "$2" --variant "$3" --tokens "$4" \
+           --json "$OUT/exp-$2-$3.json" 2>&1 | tee -a "$OUT/bench.log"; shift 4 ;;
     profile) timeout 90 python3 benchmarks/profile_stages.py "$2" "$3" 2>&1 | grep -E "kernel_|Name" | cut -c1-62,150-200 | tee -a "$OUT/prof.log"; shift 3 ;;
-    bench-exp) MOKGEN_HOME=$2 $B --variant "$3" --tokens "$4" --baselines torch_grouped_mm --json "$OUT/exp-$(basename $2)-$3.json" 2>&1 | tail -4 | tee -a "$OUT/bench.log"; shift 4 ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

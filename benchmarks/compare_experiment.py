@@ -1,0 +1,66 @@
+"""An experimental build (a Plan override, built by build_gpu_variants.py under
+generated/experiments/NAME) against the default build and torch grouped_mm, side by side in
+one process. CUDA-graph replay times (no launch overhead), 10 warm-ups and the median of 50,
+with the SM clock and power after each. The three are timed in interleaved rounds and the
+best round's median kept per implementation, so that a power-capped clock late in the run does
+not favour whichever ran first.
+
+    python benchmarks/compare_experiment.py NAME [--variant V] [--tokens T,T,...]
+                                            [--rounds R] [--json PATH]
+
+NAME is fused, cluster2 or chunked; V defaults to the OLMoE layer.
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+import mokgen
+from mokgen.bench import _capture, gpu_state, time_ms, torch_grouped_mm
+from mokgen.codegen import default_out
+from mokgen.runtime import Variant
+from mokgen.verify import make_inputs
+
+ap = argparse.ArgumentParser()
+ap.add_argument("name")
+ap.add_argument("--variant", default="e64_k8_h2048_i1024_bf16_sm90a")
+ap.add_argument("--tokens", default="64,256,1024,4096,16384")
+ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--json")
+args = ap.parse_args()
+
+plain = mokgen.load(args.variant)
+spec = plain.spec
+path = default_out() / "experiments" / args.name / args.variant
+if not (path / "build" / "libmokgen.so").exists():
+    sys.exit(f"{path} is not built: run benchmarks/build_gpu_variants.py")
+exp = Variant(path)
+rows = []
+for T in [int(t) for t in args.tokens.split(",")]:
+    x, ids, w, wg, wu, wd, shared = make_inputs(spec, T, "uniform", torch.Generator("cuda").manual_seed(T))
+    w13 = torch.cat([wg, wu], dim=1)
+    impls = {
+        "default": _capture(lambda: plain.forward(x, ids, w, wg, wu, wd, *shared)).replay,
+        args.name: _capture(lambda: exp.forward(x, ids, w, wg, wu, wd, *shared)).replay,
+        "torch_grouped_mm": lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate),
+    }
+    if spec.shared_intermediate:  # the baseline has no shared expert: compare the generated builds only
+        del impls["torch_grouped_mm"]
+    best = {}
+    for r in range(args.rounds):
+        for name, fn in impls.items():
+            ms = time_ms(fn, 10, 50)
+            rows.append(dict(T=T, impl=name, round=r, ms=ms, **gpu_state()))
+            best[name] = min(best.get(name, ms), ms)
+    line = f"T={T:6d}  default {best['default']:.3f} ms  {args.name} {best[args.name]:.3f} ms " \
+           f"({best['default'] / best[args.name]:.3f}x)"
+    if "torch_grouped_mm" in best:
+        line += f"  torch grouped_mm {best['torch_grouped_mm']:.3f} ms ({args.name} " \
+                f"{best['torch_grouped_mm'] / best[args.name]:.2f}x, default " \
+                f"{best['torch_grouped_mm'] / best['default']:.2f}x)"
+    print(line, flush=True)
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump(dict(variant=args.variant, experiment=args.name, device=torch.cuda.get_device_name(),
+                       rows=rows), f, indent=1)
