@@ -108,8 +108,8 @@ class Variant:
     def _check_status(self, wait: bool) -> None:
         """Raise KernelTimeout if an earlier call's kernels recorded a timed-out wait.
         wait=False looks only if that call has finished (never blocks)."""
-        if self._status_host is None:
-            return
+        if self._status_host is None or torch.cuda.is_current_stream_capturing():
+            return  # no event query or sync may run inside a capture; replays are checked after
         if self._status_event is not None and not wait and not self._status_event.query():
             return
         if wait:
