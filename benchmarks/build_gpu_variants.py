@@ -11,8 +11,8 @@ from mokgen.codegen.build import build_profiling
 from mokgen.ir import MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_golden_gpu import (CHUNKED_OVERRIDES, CLUSTER_OVERRIDES, DEADLOCK_OVERRIDES, FUSED_OVERRIDES,  # noqa: E402
-                             SHAPES, chunked_dir, cluster_dir, deadlock_dir, fused_dir, spec_of)
+from test_golden_gpu import (DEADLOCK_OVERRIDES, FUSED_OVERRIDES, SAME_BITS_EXPERIMENTS, SHAPES,  # noqa: E402
+                             deadlock_dir, experiment_dir, fused_dir, spec_of)
 
 force = "--force" in sys.argv
 specs = [spec_of(s) for s in SHAPES]
@@ -27,8 +27,8 @@ for shape in (SHAPES[0], SHAPES[4]):
     build_profiling(spec_of(shape), force=force, log=lambda m: None)
 for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the fused-GEMM experiment
     build(spec_of(shape), fused_dir(), overrides=FUSED_OVERRIDES, force=force, log=lambda m: None)
-# The 2-CTA multicast experiment: tested on three shapes, benchmarked on the bench's three.
-for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4])] + specs[-1:]:
-    build(spec, cluster_dir(), overrides=CLUSTER_OVERRIDES, force=force, log=lambda m: None)
-for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the chunked-dispatch experiment
-    build(spec_of(shape), chunked_dir(), overrides=CHUNKED_OVERRIDES, force=force, log=lambda m: None)
+# The same-bits experiments: tested on three shapes; the bench's three shapes too for clusters.
+for name, overrides in SAME_BITS_EXPERIMENTS.items():
+    shapes = (SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4]) if name == "cluster2" else (SHAPES[0], SHAPES[3], SHAPES[4])
+    for spec in [spec_of(s) for s in shapes] + (specs[-1:] if name == "cluster2" else []):
+        build(spec, experiment_dir(name), overrides=overrides, force=force, log=lambda m: None)

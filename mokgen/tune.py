@@ -49,12 +49,16 @@ def candidates(spec: MoESpec) -> list[dict]:
                 out.append({f"{k.name}.epi_stages": epi})
         if p.get("gather_a") and p["stages"] - 2 > p["gather_lag"]:
             out.append({f"{k.name}.gather_lag": p["gather_lag"] + 1})
-    # One launch for both routed GEMMs (tiles linked by device counters), where the Plan can make it.
-    try:
-        make_plan(spec, overrides={"fuse_gemms": True})
-        out.append({"fuse_gemms": True})
-    except PlanError:
-        pass
+    # Whole-layer alternatives, where the Plan can make them: one launch for both routed GEMMs
+    # (tiles linked by device counters); 2-CTA clusters that multicast the weight tiles; the
+    # O(T*K) chunked dispatch. Each measured slower or level on the bench shapes (docs/perf.md),
+    # so none is the default; the tuner keeps whichever pays for a given layer.
+    for ov in ({"fuse_gemms": True}, {"cluster_m": 2}, {"dispatch_chunked": True}):
+        try:
+            make_plan(spec, overrides=ov)
+            out.append(ov)
+        except PlanError:
+            pass
     return out
 
 

@@ -304,56 +304,33 @@ def test_fused_launch_captures_and_replays_with_new_inputs(gen):
         assert err <= TOL
 
 
-# 2-CTA clusters that multicast the routed GEMMs' weight tiles (Plan override cluster_m=2).
-CLUSTER_OVERRIDES = {"cluster_m": 2}
+# Plan overrides that must not change a bit: the same tiles in the same K order.
+#   cluster2: 2-CTA clusters multicast the routed GEMMs' weight tiles;
+#   chunked:  the O(T*K) chunked dispatch places every row where the per-expert one does.
+SAME_BITS_EXPERIMENTS = {"cluster2": {"cluster_m": 2}, "chunked": {"dispatch_chunked": True}}
 
 
-def cluster_dir():
+def experiment_dir(name):
     from mokgen.codegen import default_out
 
-    return default_out() / "experiments" / "cluster2"
-
-
-# The O(T*K) chunked dispatch (Plan override dispatch_chunked): same positions, same bits.
-CHUNKED_OVERRIDES = {"dispatch_chunked": True}
-
-
-def chunked_dir():
-    from mokgen.codegen import default_out
-
-    return default_out() / "experiments" / "chunked"
+    return default_out() / "experiments" / name
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 @pytest.mark.parametrize("T", [1, 7, 1000, 4096, 16384])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4]], ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
-def test_cluster_multicast_gives_the_same_bits(shape, T, routing, gen):
+@pytest.mark.parametrize("experiment", sorted(SAME_BITS_EXPERIMENTS))
+def test_experiment_gives_the_same_bits(experiment, shape, T, routing, gen):
     import mokgen
     from mokgen.runtime import Variant
 
-    path = cluster_dir() / spec_of(shape).variant
+    path = experiment_dir(experiment) / spec_of(shape).variant
     if not (path / "build" / "libmokgen.so").exists():
-        pytest.skip("cluster variant not built: run benchmarks/build_gpu_variants.py")
-    clustered, plain = Variant(path), mokgen.load(spec_of(shape))
-    clustered.poison = plain.poison = True
+        pytest.skip(f"{experiment} variant not built: run benchmarks/build_gpu_variants.py")
+    exp, plain = Variant(path), mokgen.load(spec_of(shape))
+    exp.poison = plain.poison = True
     x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(shape, T, routing, gen)
     want = plain.forward(x, ids, w, wg, wu, wd, sg, su, sd)
-    got = clustered.forward(x, ids, w, wg, wu, wd, sg, su, sd)
-    assert not torch.isnan(got).any()
-    assert torch.equal(got, want)  # same tiles, same K order: the same bits
-
-
-def test_chunked_dispatch_gives_the_same_bits(shape, T, routing, gen):
-    import mokgen
-    from mokgen.runtime import Variant
-
-    path = chunked_dir() / spec_of(shape).variant
-    if not (path / "build" / "libmokgen.so").exists():
-        pytest.skip("chunked-dispatch variant not built: run benchmarks/build_gpu_variants.py")
-    chunked, plain = Variant(path), mokgen.load(spec_of(shape))
-    chunked.poison = plain.poison = True
-    x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(shape, T, routing, gen)
-    want = plain.forward(x, ids, w, wg, wu, wd, sg, su, sd)
-    got = chunked.forward(x, ids, w, wg, wu, wd, sg, su, sd)
+    got = exp.forward(x, ids, w, wg, wu, wd, sg, su, sd)
     assert not torch.isnan(got).any()
     assert torch.equal(got, want)

@@ -176,7 +176,8 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
     assert [a.tensor for a in p.kernel("dispatch_scatter").args][-2:] == ["tile_counters", "h_ready"]
     counters = next(b for b in p.buffers if b.name == "tile_counters")
     assert int(counters.shape[0]) == k.params["used_slot"] + 2 == k.params["status_slot"] + 1
-    assert {"fuse_gemms": True} in __import__("mokgen.tune", fromlist=["candidates"]).candidates(spec)
+    cands = __import__("mokgen.tune", fromlist=["candidates"]).candidates(spec)
+    assert {"fuse_gemms": True} in cands and {"cluster_m": 2} in cands and {"dispatch_chunked": True} in cands
     with pytest.raises(PlanError, match="multiple of"):
         make_plan(MoESpec(experts=8, topk=2, hidden=192, intermediate=128), overrides={"fuse_gemms": True})
 

@@ -96,9 +96,11 @@ def sched_claim(counter: cute.Pointer) -> cutlass.Int32:
 
 @cute.jit
 def sched_publish(counter: cute.Pointer, sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int32,
-                  claimed: cutlass.Int32, m_tiles_total: cutlass.Int32, tile_expert: cute.Tensor, status: cute.Pointer):
+                  claimed: cutlass.Int32, m_tiles_total: cutlass.Int32, tile_expert: cute.Tensor, status: cute.Pointer,
+                  failed: cutlass.Boolean):
     """(one thread) Publish the claimed tile, or the next used one after it, to this CTA's
-    warps in slot i % SCHED_STAGES; -1 when no tile is left."""
+    warps in slot i % SCHED_STAGES; -1 when no tile is left or this thread has given up a
+    wait (every warp of the CTA then stops after its current tile, in step)."""
     tile = claimed
     total_tiles = m_tiles_total * N_TILES
     # Unused M tiles come last in M-major order: the first one ends the walk.
@@ -108,17 +110,23 @@ def sched_publish(counter: cute.Pointer, sched_bar: cute.Pointer, sched_tile: cu
     else:
         tile = -1
     slot = i % SCHED_STAGES
-    wait_bounded(sched_bar + SCHED_STAGES + slot, ((i // SCHED_STAGES) + 1) % 2, status, SITE_SCHED)  # every reader has the old tile
+    # Every reader has the old tile (a publisher that gave up still publishes its -1).
+    if wait_bounded(sched_bar + SCHED_STAGES + slot, ((i // SCHED_STAGES) + 1) % 2, status, SITE_SCHED, cutlass.Boolean(False)):
+        tile = -1
+    if failed:
+        tile = -1
     sched_tile[slot] = tile
     cute.arch.mbarrier_arrive(sched_bar + slot)
 
 
 @cute.jit
 def sched_read(sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int32, status: cute.Pointer) -> cutlass.Int32:
-    """(a whole warp) The i-th tile this CTA works on, or -1; frees the slot once the warp has it."""
+    """(a whole warp) The i-th tile this CTA works on, or -1; frees the slot once the warp has it.
+    Waits even when the warp has given up elsewhere, so that the CTA's warps stop in step."""
     slot = i % SCHED_STAGES
-    wait_bounded(sched_bar + slot, (i // SCHED_STAGES) % 2, status, SITE_SCHED)
-    tile = sched_tile[slot]
+    tile = cutlass.Int32(-1)
+    if not wait_bounded(sched_bar + slot, (i // SCHED_STAGES) % 2, status, SITE_SCHED, cutlass.Boolean(False)):
+        tile = sched_tile[slot]
     cute.arch.sync_warp()
     if cute.arch.lane_idx() == 0:
         cute.arch.mbarrier_arrive(sched_bar + SCHED_STAGES + slot)
@@ -126,32 +134,40 @@ def sched_read(sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int3
 
 
 @cute.jit
-def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute.Pointer, site: cutlass.Int32):
-    """Wait for an mbarrier phase, but never forever. After WAIT_TIMEOUT_NS the thread
-    records an error code (this kernel, the wait's site) in status and stops waiting; once
-    any thread has recorded one, every later wait gives up within STATUS_POLL_NS. So a
-    deadlock ends the kernel normally (garbage output, CUDA context intact) and the host
-    raises a clear error from the code."""
-    done = cute.arch.mbarrier_try_wait(barrier, phase)
-    if not done:
-        start = cute.arch.globaltimer()
-        while not done:
-            done = cute.arch.mbarrier_try_wait(barrier, phase)
-            if not done:
-                waited = cute.arch.globaltimer() - start
-                if waited > WAIT_TIMEOUT_NS:
-                    cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=ERROR_BASE + site, sem="relaxed", scope="gpu")
-                    done = True
-                elif waited > STATUS_POLL_NS:
-                    if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
+def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute.Pointer, site: cutlass.Int32,
+                 failed: cutlass.Boolean) -> cutlass.Boolean:
+    """Wait for an mbarrier phase, but never forever; returns whether this thread has given up.
+    After WAIT_TIMEOUT_NS the thread records an error code (this kernel, the wait's site) in
+    status and gives up; once any thread has recorded one, every later wait gives up within
+    STATUS_POLL_NS. A thread that has given up waits no more and arrives on no pipeline
+    barrier (callers skip their arrivals and TMA loads): an arrival out of phase can underflow
+    a barrier that still expects TMA bytes, which faults. So a deadlock ends the kernel
+    normally (garbage output, CUDA context intact) and the host raises a clear error."""
+    gave_up = failed
+    if not failed:
+        done = cute.arch.mbarrier_try_wait(barrier, phase)
+        if not done:
+            start = cute.arch.globaltimer()
+            while not done:
+                done = cute.arch.mbarrier_try_wait(barrier, phase)
+                if not done:
+                    waited = cute.arch.globaltimer() - start
+                    if waited > WAIT_TIMEOUT_NS:
+                        cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=ERROR_BASE + site, sem="relaxed", scope="gpu")
                         done = True
+                        gave_up = True
+                    elif waited > STATUS_POLL_NS:
+                        if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
+                            done = True
+                            gave_up = True
+    return gave_up
 
 
 @cute.jit
-def producer_tail_bounded(ab_pipeline, state, status: cute.Pointer):
+def producer_tail_bounded(ab_pipeline, state, status: cute.Pointer, failed: cutlass.Boolean):
     """Before the producer leaves, every stage it filled has been released (bounded wait)."""
     for _ in cutlass.range_constexpr(STAGES):
-        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(state.index), state.phase, status, SITE_STAGE_FREE)
+        failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(state.index), state.phase, status, SITE_STAGE_FREE, failed)
         state.advance()
 
 
@@ -344,8 +360,9 @@ class GemmGateup:
             inflight = cutlass.Int32(0)  # committed stages whose full barrier has no arrive from this warp yet
             sched_i = cutlass.Int32(0)
             claimed = cutlass.Int32(0)
+            failed = cutlass.Boolean(False)  # this thread has given up a wait (see wait_bounded)
             if tidx == 0:
-                sched_publish(counter, sched_bar, sched_tile, sched_i, sched_claim(counter), m_tiles_total, tile_expert, status)
+                sched_publish(counter, sched_bar, sched_tile, sched_i, sched_claim(counter), m_tiles_total, tile_expert, status, failed)
             tile = sched_read(sched_bar, sched_tile, sched_i, status)
             while tile >= 0:
                 if tidx == 0:
@@ -356,13 +373,14 @@ class GemmGateup:
                     tokens[j] = cutlass.max(tok, 0)  # padding rows (-1) load row 0
                 for kt in cutlass.range(k_tiles, unroll=1):
                     if warp_idx == 0:
-                        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE)
-                        ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
-                        bar = ab_pipeline.producer_get_barrier(prod_state)
-                        cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_b1, tBgB1[(None, n_tile, kt, expert)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar)
+                        failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
+                        if not failed:
+                            ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
+                            bar = ab_pipeline.producer_get_barrier(prod_state)
+                            cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_b1, tBgB1[(None, n_tile, kt, expert)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar)
                     else:
-                        wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE)
+                        failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
                     for j in cutlass.range_constexpr(rows_per_thread):
                         src = cute.local_tile(mX, (1, VEC), (tokens[j], kt * CHUNKS + col))
                         cute.copy(gather_atom, src[(0, None)], tAsA[(None, j, 0, prod_state.index)])
@@ -377,22 +395,24 @@ class GemmGateup:
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.sync_warp()
                         if lane == 0:
-                            oldest = (prod_state.index + STAGES - GATHER_LAG) % STAGES
-                            cute.arch.mbarrier_arrive(full.get_barrier(oldest))
+                            if not failed:
+                                oldest = (prod_state.index + STAGES - GATHER_LAG) % STAGES
+                                cute.arch.mbarrier_arrive(full.get_barrier(oldest))
                         inflight = inflight - 1
                     prod_state.advance()
                 sched_i = sched_i + 1
                 if tidx == 0:
-                    sched_publish(counter, sched_bar, sched_tile, sched_i, claimed, m_tiles_total, tile_expert, status)
+                    sched_publish(counter, sched_bar, sched_tile, sched_i, claimed, m_tiles_total, tile_expert, status, failed)
                 tile = sched_read(sched_bar, sched_tile, sched_i, status)
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
             if lane == 0:
-                for d in cutlass.range(inflight, unroll=1):
-                    cute.arch.mbarrier_arrive(full.get_barrier((prod_state.index + STAGES - inflight + d) % STAGES))
+                if not failed:
+                    for d in cutlass.range(inflight, unroll=1):
+                        cute.arch.mbarrier_arrive(full.get_barrier((prod_state.index + STAGES - inflight + d) % STAGES))
             if warp_idx == 0:
-                producer_tail_bounded(ab_pipeline, prod_state, status)
+                producer_tail_bounded(ab_pipeline, prod_state, status, failed)
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -431,6 +451,7 @@ class GemmGateup:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             epi_count = cutlass.Int32(0)
             sched_i = cutlass.Int32(0)
+            failed = cutlass.Boolean(False)  # this thread has given up a wait (see wait_bounded)
             tile = sched_read(sched_bar, sched_tile, sched_i, status)
             while tile >= 0:
                 m_tile, n_tile, expert = tile_at(tile, m_tiles_total, tile_expert)
@@ -445,7 +466,7 @@ class GemmGateup:
                 if active:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     for kt in cutlass.range(k_tiles, unroll=1):
-                        wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase, status, SITE_STAGE_FULL)
+                        failed = wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase, status, SITE_STAGE_FULL, failed)
                         cute.nvgpu.warpgroup.fence()
                         for kb in cutlass.range(k_blocks, unroll_full=True):
                             coord = (None, None, kb, read_state.index)
@@ -455,16 +476,19 @@ class GemmGateup:
                         # One wgmma batch stays in flight; the stage of the batch before it is free.
                         cute.nvgpu.warpgroup.wait_group(1)
                         if kt > 0:
-                            ab_pipeline.consumer_release(release_state)
+                            if not failed:
+                                ab_pipeline.consumer_release(release_state)
                             release_state.advance()
                         read_state.advance()
                     cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipeline.consumer_release(release_state)
+                    if not failed:
+                        ab_pipeline.consumer_release(release_state)
                     release_state.advance()
                 else:
                     for kt in cutlass.range(k_tiles, unroll=1):
-                        wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase, status, SITE_STAGE_FULL)
-                        ab_pipeline.consumer_release(read_state)
+                        failed = wait_bounded(ab_pipeline.sync_object_full.get_barrier(read_state.index), read_state.phase, status, SITE_STAGE_FULL, failed)
+                        if not failed:
+                            ab_pipeline.consumer_release(read_state)
                         read_state.advance()
                         release_state.advance()
 
