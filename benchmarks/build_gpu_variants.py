@@ -27,8 +27,7 @@ for shape in (SHAPES[0], SHAPES[4]):
     build_profiling(spec_of(shape), force=force, log=lambda m: None)
 for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the fused-GEMM experiment
     build(spec_of(shape), fused_dir(), overrides=FUSED_OVERRIDES, force=force, log=lambda m: None)
-# The same-bits experiments: tested on three shapes; the bench's three shapes too for clusters.
+# The same-bits experiments: tested on three shapes, benchmarked on the bench's three.
 for name, overrides in SAME_BITS_EXPERIMENTS.items():
-    shapes = (SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4]) if name == "cluster2" else (SHAPES[0], SHAPES[3], SHAPES[4])
-    for spec in [spec_of(s) for s in shapes] + (specs[-1:] if name == "cluster2" else []):
+    for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4])] + specs[-1:]:
         build(spec, experiment_dir(name), overrides=overrides, force=force, log=lambda m: None)
