@@ -182,6 +182,24 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
         make_plan(MoESpec(experts=8, topk=2, hidden=192, intermediate=128), overrides={"fuse_gemms": True})
 
 
+def test_fused_launch_runs_the_shared_experts_tiles_too():
+    spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
+    p = make_plan(spec, overrides={"fuse_gemms": True})
+    assert p.steps["forward"] == ["dispatch_count", "dispatch_scatter", "gemm_fused", "combine"]
+    assert not any(k.name.startswith("shared_") for k in p.kernels)
+    k = p.kernel("gemm_fused")
+    assert [a.tensor for a in k.args][-5:] == ["ws_gate", "ws_up", "ws_down", "hs", "ys"]
+    assert k.params["s_size"] == 768 and k.params["shared_slot"] == k.params["used_slot"] + 1
+    counters = next(b for b in p.buffers if b.name == "tile_counters")
+    assert int(counters.shape[0]) == k.params["status_slot"] + 1 == k.params["shared_slot"] + 2
+    tasks = make_plan(spec, overrides={"fuse_gemms": True, "profile": True}).buffers
+    prof = next(b for b in tasks if b.name == "prof_gemm_fused")  # room for the shared tiles' records
+    assert int(sympy.sympify(prof.shape[0]).subs("T", 128)) >= 9 * (512 // 128 + 4) + (768 // 128 + 4)
+    with pytest.raises(PlanError, match="shared expert"):
+        make_plan(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=192),
+                  overrides={"fuse_gemms": True})
+
+
 def test_cluster_plan_pairs_an_experts_m_tiles():
     p = make_plan(PRESETS["olmoe"], overrides={"cluster_m": 2})
     assert p.kernel("gemm_gateup").params["cluster_m"] == 2 and p.kernel("gemm_down").params["cluster_m"] == 2

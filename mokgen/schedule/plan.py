@@ -256,12 +256,15 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # One tile counter per grouped GEMM of the forward (the GEMMs' tile schedulers claim
     # tiles from it); dispatch_count zeroes them, so no extra launch or memset per call.
     fuse = bool((overrides or {}).get("fuse_gemms"))
-    gemm_names = (["gemm_fused"] if fuse else ["gemm_gateup", "gemm_down"]) + \
-        (["shared_gateup", "shared_down"] if S else [])
-    # The fused GEMM also needs the number of used M tiles (written by dispatch_scatter).
+    # The fused launch also runs the shared expert's tiles (they fill the SMs that would
+    # otherwise wait for the routed gate/up tiles a down tile needs).
+    gemm_names = ["gemm_fused"] if fuse else ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])
+    # The fused GEMM also needs the number of used M tiles (written by dispatch_scatter), and
+    # with a shared expert the count of its finished shared gate/up tiles.
     used_slot = len(gemm_names)
+    shared_slot = used_slot + 1
     # Last entry: the launch's error code, set by a GEMM wait that timed out (0: none).
-    status_slot = len(gemm_names) + fuse
+    status_slot = len(gemm_names) + fuse + bool(fuse and S)
     n_counters = status_slot + 1
     buffers = [
         Buffer("tile_counters", "i32", [str(n_counters)]),
@@ -373,7 +376,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     down = gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
                 "tile_expert", "M", "MT", E, "Routed down projection.")
     if fuse:
-        kernels.append(fused_gemm(gateup, H, I, E, used_slot, target))
+        kernels.append(fused_gemm(gateup, H, I, E, used_slot, target, S, shared_slot))
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
         decisions.append(
             f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
@@ -382,13 +385,19 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             "bounded spin), so there is no grid-wide barrier and no deadlock: a down tile only waits for tiles "
             "claimed before it")
         forward = ["dispatch_count", "dispatch_scatter", "gemm_fused"]
+        if S:
+            decisions.append(
+                f"gemm_fused also runs the shared expert: its gate/up tiles come after the routed gate/up tiles "
+                f"(they fill the SMs while the last routed gate/up tiles finish), its down tiles last, after "
+                f"tile_counters[{shared_slot}] counts every shared gate/up tile")
     else:
         kernels += [gateup, down]
         forward = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"]
     if S:
         s_tiles = sympy.ceiling(T / row_tile)
-        buffers += [Buffer("shared_tiles", "i32", [_expr(s_tiles)], init="zeros"),
-                    Buffer("hs", "bf16", ["T", str(S)]), Buffer("ys", "bf16", ["T", str(H)])]
+        buffers += [Buffer("hs", "bf16", ["T", str(S)]), Buffer("ys", "bf16", ["T", str(H)])]
+    if S and not fuse:
+        buffers.append(Buffer("shared_tiles", "i32", [_expr(s_tiles)], init="zeros"))
         kernels.append(gemm("shared_gateup", "shared_gateup", "x", ("ws_gate", "ws_up"), "hs", S, H, "swiglu",
                             "shared_tiles", "T", "ST", 1, "Shared expert gate/up projection (every token).",
                             routed=False))
@@ -424,6 +433,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             if k.template == "grouped_gemm_persistent.py.j2":
                 m = s_tiles if k.name.startswith("shared") else m_tiles
                 tasks[k.name] = m * (-(-k.params["n_size"] // k.params["tile_n"]) + k.params.get("n2_tiles", 0))
+                if k.params.get("s_size"):  # the fused launch's shared-expert tiles
+                    tasks[k.name] += s_tiles * (k.params["s_size"] // k.params["tile_n"] + k.params["n2_tiles"])
         add_task_records(kernels, forward, buffers, tasks)
         decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA) records its SM and "
                          "its start and end time (globaltimer) in prof_<kernel>; `mokgen profile` draws them")
@@ -476,24 +487,34 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
     ]
 
 
-def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target) -> KernelPlan:
-    """gate/up and down as one persistent kernel. A down tile (TILE_M x 2*tile_n) is two
-    tile_n-wide halves, so both kinds share the gate/up kernel's MMA shape (two B operands,
-    two accumulators), its shared-memory stages and its register budget."""
+def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target, S: int = 0,
+               shared_slot: int = 0) -> KernelPlan:
+    """gate/up and down as one persistent kernel, plus the shared expert's two GEMMs when
+    the spec has one. A down tile (TILE_M x 2*tile_n) is two tile_n-wide halves, so all tile
+    kinds share the gate/up kernel's MMA shape (two B operands, two accumulators), its
+    shared-memory stages and its register budget."""
     p = gateup.params
-    if H % (2 * p["tile_n"]) or I % p["tile_n"]:
-        raise PlanError(f"fuse_gemms: H={H} must be a multiple of {2 * p['tile_n']} and I={I} of {p['tile_n']}")
+    if H % (2 * p["tile_n"]) or I % p["tile_n"] or S % p["tile_n"]:
+        raise PlanError(f"fuse_gemms: H={H} must be a multiple of {2 * p['tile_n']}, and I={I} and the shared "
+                        f"expert's {S} of {p['tile_n']}")
     params = dict(p, fused=True, name="gemm_fused", class_name="GemmFused", n2_size=H, k2_size=I,
-                  n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot,
-                  doc="Routed gate/up (SwiGLU) and down projections in one launch.")
+                  n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot, s_size=S, shared_slot=shared_slot,
+                  doc="Routed gate/up (SwiGLU) and down projections in one launch"
+                      + (", with the shared expert's." if S else "."))
     args = list(gateup.args[:-1]) + [
         KernelArg("b2", "w_down", "bf16", [E, H, I]),
         KernelArg("c", "h", "bf16", ["M", I]),
         KernelArg("c2", "y", "bf16", ["M", H]),
         KernelArg("h_ready", "h_ready", "i32", ["MT"]),
     ]
+    tiles = f"MT*{I // p['tile_n'] + H // (2 * p['tile_n'])}"
+    if S:
+        args += [KernelArg("b3", "ws_gate", "bf16", [S, H]), KernelArg("b4", "ws_up", "bf16", [S, H]),
+                 KernelArg("b5", "ws_down", "bf16", [H, S]), KernelArg("c3", "hs", "bf16", ["T", S]),
+                 KernelArg("c4", "ys", "bf16", ["T", H])]
+        tiles += f" + ST*{S // p['tile_n'] + H // (2 * p['tile_n'])}"
     return KernelPlan("gemm_fused", "gemm", "gemm_fused", "grouped_gemm_persistent.py.j2", "main", params, args,
-                      grid=f"(min({p['sms']}, MT*{I // p['tile_n'] + H // (2 * p['tile_n'])}),)", block=p["threads"],
+                      grid=f"(min({p['sms']}, {tiles}),)", block=p["threads"],
                       warp_roles=gateup.warp_roles + ["a down tile's TMA producer first waits on h_ready[m]"],
                       smem_bytes=gateup.smem_bytes)
 

@@ -69,6 +69,9 @@ def gemm_model_params(params_by_kernel: dict) -> dict:
         out["gemm_gateup"] = fused
         out["gemm_down"] = dict(fused, n_size=fused["n2_size"], k_size=fused["k2_size"],
                                 tile_n=2 * fused["tile_n"], epilogue="store", gather_a=False)
+        if fused.get("s_size"):  # and the shared expert's two GEMMs
+            out["shared_gateup"] = dict(fused, n_size=fused["s_size"], groups=1, gather_a=False)
+            out["shared_down"] = dict(out["gemm_down"], k_size=fused["s_size"], groups=1)
     return out
 
 
