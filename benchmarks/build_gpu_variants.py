@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mokgen.codegen import build, default_out
 from mokgen.codegen.build import build_profiling
-from mokgen.ir import MoESpec
+from mokgen.ir import PRESETS, MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_golden_gpu import (DEADLOCK_OVERRIDES, FUSED_OVERRIDES, SAME_BITS_EXPERIMENTS, SHAPES,  # noqa: E402
@@ -25,8 +25,12 @@ print(f"[{len(specs) + 1}/{len(specs) + 1}] debug variant with an injected deadl
 build(spec_of(SHAPES[0]), deadlock_dir(), overrides=DEADLOCK_OVERRIDES, force=force, log=lambda m: None)
 for shape in (SHAPES[0], SHAPES[4]):
     build_profiling(spec_of(shape), force=force, log=lambda m: None)
-for shape in (SHAPES[0], SHAPES[3], SHAPES[4]):  # the fused-GEMM experiment
-    build(spec_of(shape), fused_dir(), overrides=FUSED_OVERRIDES, force=force, log=lambda m: None)
+# The fused-launch experiment, and the layers with a shared expert it is benchmarked on.
+shared_layers = [PRESETS["deepseek-v2-lite"], PRESETS["deepseek-v3"]]
+for spec in shared_layers:
+    build(spec, default_out(), force=force, log=lambda m: None)
+for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[3], SHAPES[4])] + shared_layers:
+    build(spec, fused_dir(), overrides=FUSED_OVERRIDES, force=force, log=lambda m: None)
 # The same-bits experiments: tested on three shapes, benchmarked on the bench's three.
 for name, overrides in SAME_BITS_EXPERIMENTS.items():
     for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4])] + specs[-1:]:

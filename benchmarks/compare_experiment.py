@@ -40,13 +40,12 @@ rows = []
 for T in [int(t) for t in args.tokens.split(",")]:
     x, ids, w, wg, wu, wd, shared = make_inputs(spec, T, "uniform", torch.Generator("cuda").manual_seed(T))
     w13 = torch.cat([wg, wu], dim=1)
+    ws = (torch.cat([shared[0], shared[1]], dim=0), shared[2]) if spec.shared_intermediate else None
     impls = {
         "default": _capture(lambda: plain.forward(x, ids, w, wg, wu, wd, *shared)).replay,
         args.name: _capture(lambda: exp.forward(x, ids, w, wg, wu, wd, *shared)).replay,
-        "torch_grouped_mm": lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate),
+        "torch_grouped_mm": lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate, ws),
     }
-    if spec.shared_intermediate:  # the baseline has no shared expert: compare the generated builds only
-        del impls["torch_grouped_mm"]
     best = {}
     for r in range(args.rounds):
         for name, fn in impls.items():

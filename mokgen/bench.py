@@ -6,7 +6,8 @@ shared expert). Reports ms, TFLOP/s, the ratio to torch grouped_mm, the fraction
 the dense bf16 GEMM peak measured in the same run, and the relative error of each
 implementation against the float64 reference.
 
-Baselines (both written as a PyTorch user would):
+Baselines (both written as a PyTorch user would; a shared expert is added as dense
+bf16 matmuls over all tokens):
   torch_grouped_mm  sort by expert, torch._grouped_mm for gate/up (weights
                     concatenated once, outside the timed region) and down, SwiGLU,
                     weighted index_add combine
@@ -25,7 +26,15 @@ from .reference import moe_reference, rel_error
 from .verify import make_inputs
 
 
-def torch_grouped_mm(x, ids, w, w13, wd, I):
+def torch_shared_expert(x, ws13, ws_down, out):
+    """Adds the shared expert (every token) to the fp32 accumulator, as dense bf16 matmuls."""
+    S = ws_down.shape[1]
+    hs13 = x @ ws13.t()
+    out += ((F.silu(hs13[:, :S]) * hs13[:, S:]) @ ws_down.t()).float()
+
+
+def torch_grouped_mm(x, ids, w, w13, wd, I, shared=None):
+    """shared: (ws13 = [ws_gate; ws_up], ws_down) when the layer has a shared expert."""
     T, _ = x.shape
     E, K = wd.shape[0], ids.shape[1]
     flat = ids.reshape(-1).long()
@@ -37,10 +46,12 @@ def torch_grouped_mm(x, ids, w, w13, wd, I):
     y = torch._grouped_mm(h, wd.transpose(1, 2), offs=offs)
     out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
     out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None])
+    if shared is not None:
+        torch_shared_expert(x, *shared, out)
     return out.to(x.dtype)
 
 
-def torch_loop(x, ids, w, wg, wu, wd):
+def torch_loop(x, ids, w, wg, wu, wd, shared=None):
     out = torch.zeros_like(x, dtype=torch.float32)
     for e in range(wg.shape[0]):
         tok, slot = torch.where(ids == e)
@@ -48,6 +59,8 @@ def torch_loop(x, ids, w, wg, wu, wd):
             xe = x[tok]
             y = (F.silu(xe @ wg[e].t()) * (xe @ wu[e].t())) @ wd[e].t()
             out.index_add_(0, tok, y.float() * w[tok, slot, None])
+    if shared is not None:
+        torch_shared_expert(x, *shared, out)
     return out.to(x.dtype)
 
 
@@ -133,12 +146,12 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
         flops = 6.0 * T * spec.topk * spec.hidden * spec.intermediate + 6.0 * T * spec.hidden * spec.shared_intermediate
         ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd) if T * spec.hidden <= 16384 * 4096 else None
         impls = {"mokgen": lambda: variant.ops.forward(x, ids, w, wg, wu, wd, sg, su, sd)}
-        if not spec.shared_intermediate:
-            w13 = torch.cat([wg, wu], dim=1)
-            if "torch_grouped_mm" in baselines:
-                impls["torch_grouped_mm"] = lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate)
-            if "torch_loop" in baselines:
-                impls["torch_loop"] = lambda: torch_loop(x, ids, w, wg, wu, wd)
+        w13 = torch.cat([wg, wu], dim=1)
+        shared = (torch.cat([sg, su], dim=0), sd) if spec.shared_intermediate else None
+        if "torch_grouped_mm" in baselines:
+            impls["torch_grouped_mm"] = lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate, shared)
+        if "torch_loop" in baselines:
+            impls["torch_loop"] = lambda: torch_loop(x, ids, w, wg, wu, wd, shared)
         graph = _capture(impls["mokgen"])
         if graph is not None:
             impls["mokgen_graph"] = graph.replay

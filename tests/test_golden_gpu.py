@@ -299,6 +299,28 @@ def test_fused_gemms_match_the_multi_kernel_path_bit_for_bit(shape, gen):
         assert torch.equal(fused.forward(x, ids, w, wg, wu, wd, *shared), want)
 
 
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("T", [7, 1000])
+@pytest.mark.parametrize("preset", ["deepseek-v2-lite", "deepseek-v3"])
+def test_fused_launch_of_real_shared_expert_layers(preset, T, routing, gen):
+    # Layers with a shared expert, run whole in the fused launch: golden, and the same bits
+    # as the multi-kernel path.
+    import mokgen
+    from mokgen.ir import PRESETS
+    from mokgen.runtime import Variant
+    from mokgen.verify import check_forward, make_inputs as inputs_of
+
+    spec = PRESETS[preset]
+    path = fused_dir() / spec.variant
+    if not (path / "build" / "libmokgen.so").exists():
+        pytest.skip("fused variant not built: run benchmarks/build_gpu_variants.py")
+    fused, plain = Variant(path), mokgen.load(spec)
+    r = check_forward(fused, T, routing, gen)
+    assert not r.unwritten and r.rel_error <= TOL, r
+    x, ids, w, wg, wu, wd, shared = inputs_of(spec, T, routing, gen)
+    assert torch.equal(fused.forward(x, ids, w, wg, wu, wd, *shared), plain.forward(x, ids, w, wg, wu, wd, *shared))
+
+
 def test_fused_launch_captures_and_replays_with_new_inputs(gen):
     # A new routing each replay: the h_ready counters are reset by dispatch inside the graph.
     for err in capture_and_replay(fused_variant(SHAPES[0]).forward, SHAPES[0], ("skewed", "uniform"), gen):

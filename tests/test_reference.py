@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from mokgen.ir import MoESpec
 from mokgen.reference import moe_reference, moe_reference_backward, rel_error, route_reference
 
 
@@ -52,3 +54,18 @@ def test_backward_reference_d_topk_weights_is_dot_with_y():
 def test_rel_error_never_passes_nan():
     ref = torch.ones(4)
     assert rel_error(torch.tensor([1.0, float("nan"), 1.0, 1.0]), ref) == float("inf")
+
+
+@pytest.mark.parametrize("shared", [0, 128])
+def test_torch_baselines_compute_the_layer(shared):
+    # The bench's baselines must compute what the generated op computes, shared expert included.
+    from mokgen.bench import torch_grouped_mm, torch_loop
+    from mokgen.verify import make_inputs
+
+    spec = MoESpec(experts=4, topk=2, hidden=128, intermediate=64, shared_intermediate=shared)
+    x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(spec, 33, "skewed", torch.Generator().manual_seed(0),
+                                                      device="cpu")
+    ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd)
+    ws = (torch.cat([sg, su]), sd) if shared else None
+    assert rel_error(torch_loop(x, ids, w, wg, wu, wd, ws), ref) < 1e-2
+    assert rel_error(torch_grouped_mm(x, ids, w, torch.cat([wg, wu], 1), wd, 64, ws), ref) < 1e-2

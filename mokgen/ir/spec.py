@@ -125,5 +125,6 @@ PRESETS: dict[str, MoESpec] = {
     "deepseek-v3": MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048, shared_intermediate=2048,
                            renormalize=True),
     "mixtral-8x7b": MoESpec(experts=8, topk=2, hidden=4096, intermediate=14336, renormalize=True),
+    "deepseek-v2-lite": MoESpec(experts=64, topk=6, hidden=2048, intermediate=1408, shared_intermediate=2816),
 }
 DEFAULT_PRESET = "olmoe"
