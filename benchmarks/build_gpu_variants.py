@@ -33,5 +33,6 @@ for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[3], SHAPES[4])] + shared_lay
     build(spec, fused_dir(), overrides=FUSED_OVERRIDES, force=force, log=lambda m: None)
 # The same-bits experiments: tested on three shapes, benchmarked on the bench's three.
 for name, overrides in SAME_BITS_EXPERIMENTS.items():
-    for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4])] + specs[-1:]:
+    for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4])] + specs[-1:] \
+            + (shared_layers if name == "multi" else []):
         build(spec, experiment_dir(name), overrides=overrides, force=force, log=lambda m: None)

@@ -25,6 +25,9 @@ def format_plan(plan: dict) -> str:
         "kernels (launch order: " + " -> ".join(plan["steps"]["forward"]) + "; route: "
         + " -> ".join(plan["steps"]["route"]) + ")",
     ]
+    if "forward_fused" in plan["steps"]:
+        out.append(f"          calls with T <= {plan['fused_max_tokens']}: "
+                   + " -> ".join(plan["steps"]["forward_fused"]))
     rows = []
     for k in plan["kernels"]:
         p = k["params"]

@@ -37,8 +37,8 @@ def candidates(spec: MoESpec) -> list[dict]:
     plan = make_plan(spec)
     out: list[dict] = [{}]
     for k in plan.kernels:
-        if k.template != "grouped_gemm_persistent.py.j2" or not k.params.get("groups", 0) > 1:
-            continue  # the routed GEMMs only
+        if k.template != "grouped_gemm_persistent.py.j2" or not k.params.get("groups", 0) > 1 or k.params.get("fused"):
+            continue  # the routed GEMMs only (the fused launch takes gemm_gateup's tiling)
         p = k.params
         for n in tile_n_choices(p["epilogue"], p["tile_m"]):
             if n != p["tile_n"] and n >= 64 and p["n_size"] % n == 0:
@@ -49,11 +49,11 @@ def candidates(spec: MoESpec) -> list[dict]:
                 out.append({f"{k.name}.epi_stages": epi})
         if p.get("gather_a") and p["stages"] - 2 > p["gather_lag"]:
             out.append({f"{k.name}.gather_lag": p["gather_lag"] + 1})
-    # Whole-layer alternatives, where the Plan can make them: one launch for both routed GEMMs
-    # (tiles linked by device counters); 2-CTA clusters that multicast the weight tiles; the
-    # O(T*K) chunked dispatch. Each measured slower or level on the bench shapes (docs/perf.md),
-    # so none is the default; the tuner keeps whichever pays for a given layer.
-    for ov in ({"fuse_gemms": True}, {"cluster_m": 2}, {"dispatch_chunked": True}):
+    # Whole-layer alternatives, where the Plan can make them: the fused launch at every T, or
+    # never (the default runs it up to FUSED_MAX_TOKENS); 2-CTA clusters that multicast the
+    # weight tiles; the O(T*K) chunked dispatch. The last two measured slower or level on the
+    # bench shapes (docs/perf.md), so neither is the default; the tuner keeps whichever pays.
+    for ov in ({"fuse_gemms": True}, {"fuse_gemms": False}, {"cluster_m": 2}, {"dispatch_chunked": True}):
         try:
             make_plan(spec, overrides=ov)
             out.append(ov)

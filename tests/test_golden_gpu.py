@@ -329,8 +329,11 @@ def test_fused_launch_captures_and_replays_with_new_inputs(gen):
 
 # Plan overrides that must not change a bit: the same tiles in the same K order.
 #   cluster2: 2-CTA clusters multicast the routed GEMMs' weight tiles;
-#   chunked:  the O(T*K) chunked dispatch places every row where the per-expert one does.
-SAME_BITS_EXPERIMENTS = {"cluster2": {"cluster_m": 2}, "chunked": {"dispatch_chunked": True}}
+#   chunked:  the O(T*K) chunked dispatch places every row where the per-expert one does;
+#   multi:    one launch per GEMM at every T (the default runs the fused launch up to
+#             fused_max_tokens tokens).
+SAME_BITS_EXPERIMENTS = {"cluster2": {"cluster_m": 2}, "chunked": {"dispatch_chunked": True},
+                         "multi": {"fuse_gemms": False}}
 
 
 def experiment_dir(name):

@@ -132,14 +132,18 @@ def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     gemms = [k for k in p.kernels if k.template == "grouped_gemm_persistent.py.j2"]
     slots = [k.params["sched_slot"] for k in gemms]
     counters = next(b for b in p.buffers if b.name == "tile_counters")
-    # One counter per GEMM, then the launch's error code (status_slot).
-    assert sorted(slots) == list(range(len(gemms))) == list(range(int(counters.shape[0]) - 1))
+    # One counter per GEMM (both forward paths' GEMMs), the fused launch's used-M-tile and
+    # shared-tile counts, then the launch's error code (status_slot).
+    assert sorted(slots) == list(range(len(gemms)))
+    fused = p.kernel("gemm_fused").params
+    assert fused["used_slot"] == len(gemms) and fused["status_slot"] == int(counters.shape[0]) - 1
     assert {k.params["status_slot"] for k in gemms} == {int(counters.shape[0]) - 1}
-    forward = p.steps["forward"]
-    zeroing = [s for s in forward if any(a.tensor == "tile_counters" for a in p.kernel(s).args)
-               and p.kernel(s).template == "dispatch.py.j2"]
-    assert zeroing == ["dispatch_count"]
-    assert all(forward.index("dispatch_count") < forward.index(k.name) for k in gemms)
+    assert p.fused_max_tokens > 0 and set(p.steps) == {"forward", "forward_fused", "route"}
+    for forward in (p.steps["forward"], p.steps["forward_fused"]):
+        zeroing = [s for s in forward if any(a.tensor == "tile_counters" for a in p.kernel(s).args)
+                   and p.kernel(s).template == "dispatch.py.j2"]
+        assert zeroing[0] == "dispatch_count"
+        assert all(forward.index("dispatch_count") < forward.index(k.name) for k in gemms if k.name in forward)
     # Routed GEMMs find half-empty tiles through row_token; the shared expert's through T.
     for k in gemms:
         assert k.params["valid_rows"] == ("m_rows" if k.name.startswith("shared") else "row_token")

@@ -28,7 +28,7 @@ def test_rendered_modules_are_python_and_manifest_is_complete():
     plan = make_plan(spec)
     files = render(plan)
     assert {"route.py", "dispatch.py", "gemm_gateup.py", "gemm_down.py", "shared_gateup.py", "shared_down.py",
-            "combine.py", "launch.c", "manifest.json"} == set(files)
+            "gemm_fused.py", "combine.py", "launch.c", "manifest.json"} == set(files)
     for rel, text in files.items():
         if rel.endswith(".py"):
             compile(text, rel, "exec")

@@ -61,7 +61,8 @@ def count_kernel(ids: cute.Tensor, counts: cute.Tensor, tile_counters: cute.Tens
 
 @cute.kernel
 def scatter_kernel(
-    ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, row_token: cute.Tensor, tile_expert: cute.Tensor
+    ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, row_token: cute.Tensor, tile_expert: cute.Tensor,
+    tile_counters: cute.Tensor, h_ready: cute.Tensor
 ):
     tidx, _, _ = cute.arch.thread_idx()
     e, _, _ = cute.arch.block_idx()
@@ -91,6 +92,10 @@ def scatter_kernel(
     my_tiles = (my_count + (TILE_M * TILE_ALIGN - 1)) // (TILE_M * TILE_ALIGN) * TILE_ALIGN
     for i in cutlass.range(tidx, my_tiles, THREADS, unroll=1):
         tile_expert[tiles_before + i] = e
+        h_ready[tiles_before + i] = 0  # the fused GEMM's per-M-tile count of finished gate/up tiles
+    if e == 0:
+        if tidx == 0:
+            tile_counters[3] = tiles_total  # used M tiles: the fused GEMM's tile range
     # Padding rows of e's last tile: no token.
     for i in cutlass.range(my_count + tidx, my_tiles * TILE_M, THREADS, unroll=1):
         row_token[tiles_before * TILE_M + i] = -1
@@ -156,11 +161,13 @@ class Dispatch:
         pos: cute.Tensor,
         row_token: cute.Tensor,
         tile_expert: cute.Tensor,
+        tile_counters: cute.Tensor,
+        h_ready: cute.Tensor,
         stream: cuda.CUstream,
     ):
         flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * TOPK))
         flat_pos = cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * TOPK))
-        scatter_kernel(flat, counts, flat_pos, row_token, tile_expert).launch(
+        scatter_kernel(flat, counts, flat_pos, row_token, tile_expert, tile_counters, h_ready).launch(
             grid=(EXPERTS, 1, 1), block=(THREADS, 1, 1), stream=stream
         )
 
@@ -171,5 +178,5 @@ def compile_entry(fake, entry):
         return op.count, (fake("ids"), fake("counts"), fake("tile_counters"), fake.stream())
     if entry == "scatter":
         return op.scatter, (fake("ids"), fake("counts"), fake("pos"), fake("row_token"), fake("tile_expert"),
-                            fake.stream())
+                            fake("tile_counters"), fake("h_ready"), fake.stream())
     raise KeyError(entry)

@@ -14,6 +14,7 @@
 #include "dispatch_scatter.h"
 #include "gemm_gateup.h"
 #include "gemm_down.h"
+#include "gemm_fused.h"
 #include "combine.h"
 
 const char *mokgen_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
@@ -72,7 +73,9 @@ int mokgen_dispatch_scatter_launch(void **data, const int32_t *dyn, void *stream
     mokgen_dispatch_scatter_Tensor_pos_t arg_pos = {data[2], {dyn[1]}};
     mokgen_dispatch_scatter_Tensor_row_token_t arg_row_token = {data[3], {dyn[2]}};
     mokgen_dispatch_scatter_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[3]}};
-    return cute_dsl_mokgen_dispatch_scatter_wrapper(&mod_dispatch_scatter, &arg_ids, &arg_counts, &arg_pos, &arg_row_token, &arg_tile_expert, (cudaStream_t)stream);
+    mokgen_dispatch_scatter_Tensor_tile_counters_t arg_tile_counters = {data[5]};
+    mokgen_dispatch_scatter_Tensor_h_ready_t arg_h_ready = {data[6], {dyn[4]}};
+    return cute_dsl_mokgen_dispatch_scatter_wrapper(&mod_dispatch_scatter, &arg_ids, &arg_counts, &arg_pos, &arg_row_token, &arg_tile_expert, &arg_tile_counters, &arg_h_ready, (cudaStream_t)stream);
 }
 
 /* gemm_gateup: gemm_gateup stage, gemm_gateup.py:main */
@@ -116,6 +119,31 @@ int mokgen_gemm_down_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_gemm_down_Tensor_tile_counter_t arg_tile_counter = {data[4]};
     mokgen_gemm_down_Tensor_c_t arg_c = {data[5], {dyn[3]}};
     return cute_dsl_mokgen_gemm_down_wrapper(&mod_gemm_down, &arg_a, &arg_row_token, &arg_b0, &arg_tile_expert, &arg_tile_counter, &arg_c, (cudaStream_t)stream);
+}
+
+/* gemm_fused: gemm stage, gemm_fused.py:main */
+static mokgen_gemm_fused_Kernel_Module_t mod_gemm_fused;
+static pthread_once_t once_gemm_fused = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused = 0;
+static void load_gemm_fused(void) {
+    mokgen_gemm_fused_Kernel_Module_Load(&mod_gemm_fused);
+    load_err_gemm_fused = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused, load_gemm_fused);
+    if (load_err_gemm_fused) return load_err_gemm_fused;
+    (void)dyn;
+    mokgen_gemm_fused_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    return cute_dsl_mokgen_gemm_fused_wrapper(&mod_gemm_fused, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, (cudaStream_t)stream);
 }
 
 /* combine: reduce stage, combine.py:main */

@@ -140,6 +140,13 @@ class Variant:
             k = self.kernels[name]
             self.launchers[name]([env[a["tensor"]] for a in k["args"]], stream)
 
+    def forward_entry(self, tokens: int) -> str:
+        """The Plan's forward path for this many tokens: the fused launch up to
+        plan["fused_max_tokens"] where the Plan has both, else the one it has."""
+        if "forward_fused" in self.plan["steps"] and tokens <= self.plan.get("fused_max_tokens", 0):
+            return "forward_fused"
+        return "forward"
+
     # ---- entry points (no checks here: the public functions check) ---------------
     def forward(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
                 out=None):
@@ -155,7 +162,7 @@ class Variant:
                        w_down=w_down, out=out)
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
-            self.run("forward", env, x.device)
+            self.run(self.forward_entry(tokens), env, x.device)
             self._record_status(env)
             if self.profiling:
                 self.last_records = {n[len("prof_"):]: env[n] for n in env if n.startswith("prof_")}

@@ -99,6 +99,9 @@ class Plan:
     decisions: list = field(default_factory=list)
     overrides: dict = field(default_factory=dict)  # decisions replaced by hand or by autotuning
     task_graph: dict = field(default_factory=dict)  # the fused forward's tasks (see taskgraph.py)
+    # Calls with at most this many tokens run steps["forward_fused"] (one GEMM launch) instead
+    # of steps["forward"]; 0: the Plan has one forward path.
+    fused_max_tokens: int = 0
 
     # ---- (de)serialisation -------------------------------------------------------
     def to_dict(self) -> dict:
@@ -253,12 +256,17 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     decisions.append(f"routed M tiles bounded by ceil(T*K/{row_tile}) + E = {_expr(m_tiles)}: "
                      "sized on the host from T alone, no host sync")
 
+    # The forward's GEMM paths: "multi" (one launch per GEMM), "fused" (all in one launch,
+    # the shared expert's tiles included), or "by_tokens": both built, the fused one run up to
+    # FUSED_MAX_TOKENS tokens. Override fuse_gemms: true / false forces one path.
+    paths = forward_paths(spec, target, row_tile, overrides, cluster_m)
+    decisions.append(paths[1])
+    paths = paths[0]
+    fuse = paths != "multi"  # the Plan has the fused launch (and dispatch feeds it)
     # One tile counter per grouped GEMM of the forward (the GEMMs' tile schedulers claim
     # tiles from it); dispatch_count zeroes them, so no extra launch or memset per call.
-    fuse = bool((overrides or {}).get("fuse_gemms"))
-    # The fused launch also runs the shared expert's tiles (they fill the SMs that would
-    # otherwise wait for the routed gate/up tiles a down tile needs).
-    gemm_names = ["gemm_fused"] if fuse else ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])
+    gemm_names = ([] if paths == "fused" else ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])) \
+        + (["gemm_fused"] if fuse else [])
     # The fused GEMM also needs the number of used M tiles (written by dispatch_scatter), and
     # with a shared expert the count of its finished shared gate/up tiles.
     used_slot = len(gemm_names)
@@ -375,28 +383,31 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                      "no permuted copy of x")
     down = gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
                 "tile_expert", "M", "MT", E, "Routed down projection.")
+    steps = {}
+    if paths != "fused":
+        kernels += [gateup, down]
+        steps["forward"] = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"] + \
+            (["shared_gateup", "shared_down"] if S else [])
     if fuse:
-        kernels.append(fused_gemm(gateup, H, I, E, used_slot, target, S, shared_slot))
+        kernels.append(fused_gemm(gateup, H, I, E, used_slot, target, S, shared_slot, gemm_names.index("gemm_fused")))
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
+        steps["forward_fused" if paths == "by_tokens" else "forward"] = ["dispatch_count", "dispatch_scatter",
+                                                                           "gemm_fused"]
         decisions.append(
             f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
             f"tiles, then all down tiles); a down tile waits until h_ready[m] counts the "
             f"{I // gateup.params['tile_n']} gate/up tiles of its M tile (release/acquire at GPU scope, "
             "bounded spin), so there is no grid-wide barrier and no deadlock: a down tile only waits for tiles "
             "claimed before it")
-        forward = ["dispatch_count", "dispatch_scatter", "gemm_fused"]
         if S:
             decisions.append(
                 f"gemm_fused also runs the shared expert: its gate/up tiles come after the routed gate/up tiles "
                 f"(they fill the SMs while the last routed gate/up tiles finish), its down tiles last, after "
                 f"tile_counters[{shared_slot}] counts every shared gate/up tile")
-    else:
-        kernels += [gateup, down]
-        forward = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"]
     if S:
         s_tiles = sympy.ceiling(T / row_tile)
         buffers += [Buffer("hs", "bf16", ["T", str(S)]), Buffer("ys", "bf16", ["T", str(H)])]
-    if S and not fuse:
+    if S and paths != "fused":
         buffers.append(Buffer("shared_tiles", "i32", [_expr(s_tiles)], init="zeros"))
         kernels.append(gemm("shared_gateup", "shared_gateup", "x", ("ws_gate", "ws_up"), "hs", S, H, "swiglu",
                             "shared_tiles", "T", "ST", 1, "Shared expert gate/up projection (every token).",
@@ -404,7 +415,6 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         kernels.append(gemm("shared_down", "shared_down", "hs", ("ws_down",), "ys", H, S, "store",
                             "shared_tiles", "T", "ST", 1, "Shared expert down projection (every token).",
                             routed=False))
-        forward += ["shared_gateup", "shared_down"]
         decisions.append("shared expert: the same grouped GEMM with one group over all T tokens")
 
     combine_threads = simt_threads(H, target)
@@ -419,7 +429,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         "combine", "reduce", "combine", "combine.py.j2", "main",
         dict(experts=E, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
         cargs, grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
-    forward.append("combine")
+    for entry in steps:
+        steps[entry].append("combine")
+    forward = steps["forward"]
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
 
     profile = bool((overrides or {}).get("profile"))
@@ -451,15 +463,42 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         reduction_order=reduction_order,
         buffers=buffers,
         kernels=kernels,
-        steps={"forward": forward, "route": ["route"]},
+        steps=dict(steps, route=["route"]),
         flops=str(graph.flops()),
         decisions=decisions,
         overrides=dict(overrides or {}),
         task_graph=forward_task_graph(spec, gemm_model_params({k.name: k.params for k in kernels}),
                                       target).to_dict(),
+        fused_max_tokens=FUSED_MAX_TOKENS if paths == "by_tokens" else 0,
     )
     check_plan(plan, graph)
     return plan
+
+
+# Up to this many tokens a call runs the fused launch. Measured crossover on H200
+# (docs/perf.md, "The shared expert inside the fused launch"): the fused launch is 1.0-1.5x
+# the multi-kernel path up to T=1024 and 0.96-1.0x from T=4096 on the bench layers.
+FUSED_MAX_TOKENS = 2048
+
+
+def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict | None, cluster_m: int):
+    """("multi" | "fused" | "by_tokens", why): which GEMM paths the forward is built with."""
+    ov = overrides or {}
+    if ov.get("fuse_gemms") is True:
+        return "fused", "GEMM path: one fused launch (override fuse_gemms)"
+    if ov.get("fuse_gemms") is False:
+        return "multi", "GEMM path: one launch per GEMM (override fuse_gemms: false)"
+    H, I, S = spec.hidden, spec.intermediate, spec.shared_intermediate
+    tn = choose_gemm_tiling(I, H, "swiglu", target, row_tile, True, ov.get("gemm_gateup.tile_n"),
+                            ov.get("gemm_gateup.epi_stages"))["tile_n"]
+    if H % (2 * tn) or I % tn or S % tn:
+        return "multi", (f"GEMM path: one launch per GEMM (the fused launch needs H a multiple of {2 * tn} and I "
+                         f"and the shared width multiples of {tn})")
+    if cluster_m != 1 or ov.get("profile") or ov.get("dispatch_chunked"):
+        return "multi", "GEMM path: one launch per GEMM (clusters, profiling and the chunked dispatch are built " \
+                        "for it only)"
+    return "by_tokens", (f"GEMM paths: calls with T <= {FUSED_MAX_TOKENS} run the fused launch (all GEMM tiles in "
+                         "one persistent kernel), larger ones one launch per GEMM (measured crossover, docs/perf.md)")
 
 
 CHUNK_THREADS = 256  # chunked dispatch: threads per CTA (8 warps)
@@ -488,7 +527,7 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
 
 
 def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target, S: int = 0,
-               shared_slot: int = 0) -> KernelPlan:
+               shared_slot: int = 0, sched_slot: int = 0) -> KernelPlan:
     """gate/up and down as one persistent kernel, plus the shared expert's two GEMMs when
     the spec has one. A down tile (TILE_M x 2*tile_n) is two tile_n-wide halves, so all tile
     kinds share the gate/up kernel's MMA shape (two B operands, two accumulators), its
@@ -499,6 +538,7 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
                         f"expert's {S} of {p['tile_n']}")
     params = dict(p, fused=True, name="gemm_fused", class_name="GemmFused", n2_size=H, k2_size=I,
                   n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot, s_size=S, shared_slot=shared_slot,
+                  sched_slot=sched_slot,
                   doc="Routed gate/up (SwiGLU) and down projections in one launch"
                       + (", with the shared expert's." if S else "."))
     args = list(gateup.args[:-1]) + [

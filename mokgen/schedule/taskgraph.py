@@ -65,7 +65,7 @@ def gemm_model_params(params_by_kernel: dict) -> dict:
     gate/up and down GEMMs it runs, which is what the cost model prices."""
     out = dict(params_by_kernel)
     fused = out.get("gemm_fused")
-    if fused:
+    if fused and "gemm_gateup" not in out:  # a fused-only Plan
         out["gemm_gateup"] = fused
         out["gemm_down"] = dict(fused, n_size=fused["n2_size"], k_size=fused["k2_size"],
                                 tile_n=2 * fused["tile_n"], epilogue="store", gather_a=False)
