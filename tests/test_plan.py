@@ -171,15 +171,20 @@ def test_profiling_build_gives_every_forward_kernel_a_task_record_buffer():
 def test_fused_gemms_plan_links_the_tiles_through_counters():
     spec = PRESETS["olmoe"]
     p = make_plan(spec, overrides={"fuse_gemms": True})
-    assert p.steps["forward"] == ["dispatch_count", "dispatch_scatter", "gemm_fused", "combine"]
+    assert p.steps["forward"] == ["dispatch_count", "dispatch_scatter", "gemm_fused"]  # it combines too
+    assert "combine" not in [k.name for k in p.kernels]  # nothing unused is built
     k = p.kernel("gemm_fused")
     assert [a.tensor for a in k.args] == ["x", "row_token", "w_gate", "w_up", "tile_expert", "tile_counters",
-                                          "w_down", "h", "y", "h_ready"]
+                                          "w_down", "h", "y", "h_ready", "topk_ids", "topk_weights", "pos", "out"]
     assert k.params["fused"] and k.params["n2_tiles"] == spec.hidden // (2 * k.params["tile_n"])
     # dispatch_scatter zeroes h_ready and publishes the number of used M tiles.
     assert [a.tensor for a in p.kernel("dispatch_scatter").args][-2:] == ["tile_counters", "h_ready"]
     counters = next(b for b in p.buffers if b.name == "tile_counters")
-    assert int(counters.shape[0]) == k.params["used_slot"] + 2 == k.params["status_slot"] + 1
+    assert k.params["combine"] and k.params["done_slot"] == k.params["used_slot"] + 1
+    assert int(counters.shape[0]) == k.params["used_slot"] + 3 == k.params["status_slot"] + 1
+    # A profiling build times the combine as its own kernel.
+    prof = make_plan(spec, overrides={"fuse_gemms": True, "profile": True})
+    assert prof.steps["forward"][-1] == "combine" and not prof.kernel("gemm_fused").params["combine"]
     cands = __import__("mokgen.tune", fromlist=["candidates"]).candidates(spec)
     assert {"fuse_gemms": True} in cands and {"cluster_m": 2} in cands and {"dispatch_chunked": True} in cands
     with pytest.raises(PlanError, match="multiple of"):
@@ -189,13 +194,13 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
 def test_fused_launch_runs_the_shared_experts_tiles_too():
     spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
     p = make_plan(spec, overrides={"fuse_gemms": True})
-    assert p.steps["forward"] == ["dispatch_count", "dispatch_scatter", "gemm_fused", "combine"]
+    assert p.steps["forward"] == ["dispatch_count", "dispatch_scatter", "gemm_fused"]
     assert not any(k.name.startswith("shared_") for k in p.kernels)
     k = p.kernel("gemm_fused")
-    assert [a.tensor for a in k.args][-5:] == ["ws_gate", "ws_up", "ws_down", "hs", "ys"]
+    assert [a.tensor for a in k.args][-9:-4] == ["ws_gate", "ws_up", "ws_down", "hs", "ys"]
     assert k.params["s_size"] == 768 and k.params["shared_slot"] == k.params["used_slot"] + 1
     counters = next(b for b in p.buffers if b.name == "tile_counters")
-    assert int(counters.shape[0]) == k.params["status_slot"] + 1 == k.params["shared_slot"] + 2
+    assert int(counters.shape[0]) == k.params["status_slot"] + 1 == k.params["done_slot"] + 2 == k.params["shared_slot"] + 3
     tasks = make_plan(spec, overrides={"fuse_gemms": True, "profile": True}).buffers
     prof = next(b for b in tasks if b.name == "prof_gemm_fused")  # room for the shared tiles' records
     assert int(sympy.sympify(prof.shape[0]).subs("T", 128)) >= 9 * (512 // 128 + 4) + (768 // 128 + 4)

@@ -43,6 +43,12 @@ w_down's rows; A = h rows by TMA). Dependencies, with no grid-wide barrier:
     gate/up stages must fill), then spins (acquire, bounded) until h_ready[m] = 8 and
     fences the async proxy before its TMA loads of h.
 A tile only waits on tiles claimed before it, and those never wait on later ones: no deadlock.
+
+The combine runs here too: every down tile's store warp raises tile_counter[4] (release)
+once its stores are complete. A CTA with no tile left waits (acquire, bounded) until all
+down tiles are stored, then its consumer warps reduce token rows t = CTA, CTA + grid, ...:
+out[t] = bf16(sum over k = 0..7 in order of w[t,k] * y[pos[t,k]]), fp32, the combine
+kernel's order and so its bits.
 """
 import cuda.bindings.driver as cuda
 
@@ -77,6 +83,8 @@ N2_TILES = 8
 USED_SLOT = 3  # tile_counter entry where dispatch wrote the number of used M tiles
 GATEUP = 0  # tile kinds; the gate/up kinds are even
 DOWN = 1
+DONE_SLOT = 4  # tile_counter entry: finished down tiles (the combine waits for all)
+TOPK = 8
 GATHER_A = True
 GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
@@ -89,7 +97,7 @@ SCHED_SLOT = 2  # this GEMM's entry in the tile_counter buffer
 SCHED_READERS = WG_THREADS // 32 + CONSUMER_THREADS // 32
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: give up, report it
 STATUS_POLL_NS = 1_000_000  # a wait this long also checks whether another thread already gave up
-STATUS_SLOT = 4  # tile_counter entry for the launch's error code (0: none)
+STATUS_SLOT = 5  # tile_counter entry for the launch's error code (0: none)
 ERROR_BASE = 48  # error code = ERROR_BASE + site: which kernel, which wait
 SITE_STAGE_FULL = 1  # a consumer waited for a loaded stage
 SITE_STAGE_FREE = 2  # the producer waited for a stage to be released
@@ -265,6 +273,10 @@ class GemmFused:
         c: cute.Tensor,
         c2: cute.Tensor,
         h_ready: cute.Tensor,
+        ids: cute.Tensor,
+        weights: cute.Tensor,
+        pos: cute.Tensor,
+        out: cute.Tensor,
         stream: cuda.CUstream,
     ):
         m_rows = c.shape[0]
@@ -328,6 +340,7 @@ class GemmFused:
             tile_expert,
             tile_counter,
             tma_a2, tma_mA2, tma_d, tma_mD, tma_c2, tma_mC2, h_ready,
+            ids, weights, pos, c2, out,
             self.tiled_mma,
             self.a_smem_staged,
             self.b_smem_staged,
@@ -354,6 +367,11 @@ class GemmFused:
         tma_c2: cute.CopyAtom,
         mC2: cute.Tensor,
         h_ready: cute.Tensor,
+        ids: cute.Tensor,
+        weights: cute.Tensor,
+        pos: cute.Tensor,
+        y: cute.Tensor,
+        out: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -435,6 +453,8 @@ class GemmFused:
         a_bytes = cute.size_in_bytes(self.io_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
         k_tiles2 = (K2_SIZE + TILE_MNK[2] - 1) // TILE_MNK[2]
         sched_total = m_tiles_total * (N_TILES + N2_TILES)  # every tile of this launch, all kinds
+        down_done = tile_counter.iterator + DONE_SLOT
+        down_total = m_tiles_total * N2_TILES
 
         pipeline.pipeline_init_wait()
         k_tiles = (K_SIZE + TILE_MNK[2] - 1) // TILE_MNK[2]
@@ -721,10 +741,33 @@ class GemmFused:
                             store_pipeline.producer_acquire()
                         epi_barrier.arrive_and_wait()
                     epi_count = epi_count + epi_tiles
+                    if store_warp:  # this down tile is in y: count it for the combine
+                        cute.arch.cp_async_bulk_wait_group(0)
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.sync_warp()
+                        if cute.arch.lane_idx() == 0:
+                            cute.arch.atomic_add(down_done, cutlass.Int32(1), sem="release", scope="gpu")
                 sched_i = sched_i + 1
                 tile = sched_read(sched_bar, sched_tile, sched_i, status)
             if store_warp:
                 store_pipeline.producer_tail()
+            # ---------------- combine (consumer warps, once no tile is left) ----------------
+            if ctid == 0:
+                failed = wait_count_bounded(down_done, down_total, status, failed)
+            epi_barrier.arrive_and_wait()
+            cute.arch.fence_acq_rel_gpu()  # thread 0's acquire covers this thread's reads of y
+            block, _, _ = cute.arch.block_idx()
+            grid, _, _ = cute.arch.grid_dim()
+            for t in cutlass.range(block, out.shape[0], grid, unroll=1):
+                for col in cutlass.range(ctid, N2_SIZE // VEC, CONSUMER_THREADS, unroll=1):
+                    acc = cute.make_rmem_tensor((1, VEC), cutlass.Float32)
+                    acc.fill(0.0)
+                    for k in cutlass.range_constexpr(TOPK):
+                        e = ids[t, k]
+                        if e >= 0 and e < GROUPS:  # out-of-range ids contribute nothing
+                            yk = cute.local_tile(y, (1, VEC), (pos[t, k], col)).load().to(cutlass.Float32)
+                            acc.store(acc.load() + yk * weights[t, k])
+                    cute.local_tile(out, (1, VEC), (t, col)).store(acc.load().to(cutlass.BFloat16))
 
 
 def compile_entry(fake, entry):
@@ -737,5 +780,6 @@ def compile_entry(fake, entry):
     args.append(fake("b2"))
     args.append(fake("c"))
     args += [fake("c2"), fake("h_ready")]
+    args += [fake("ids"), fake("weights"), fake("pos"), fake("out")]
     args.append(fake.stream())
     return GemmFused(), tuple(args)

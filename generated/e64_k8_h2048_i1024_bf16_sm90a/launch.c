@@ -143,7 +143,11 @@ int mokgen_gemm_fused_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_gemm_fused_Tensor_c_t arg_c = {data[7], {dyn[3]}};
     mokgen_gemm_fused_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
     mokgen_gemm_fused_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
-    return cute_dsl_mokgen_gemm_fused_wrapper(&mod_gemm_fused, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, (cudaStream_t)stream);
+    mokgen_gemm_fused_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    return cute_dsl_mokgen_gemm_fused_wrapper(&mod_gemm_fused, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, (cudaStream_t)stream);
 }
 
 /* combine: reduce stage, combine.py:main */

@@ -267,12 +267,16 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # tiles from it); dispatch_count zeroes them, so no extra launch or memset per call.
     gemm_names = ([] if paths == "fused" else ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])) \
         + (["gemm_fused"] if fuse else [])
-    # The fused GEMM also needs the number of used M tiles (written by dispatch_scatter), and
-    # with a shared expert the count of its finished shared gate/up tiles.
+    # The fused GEMM also needs the number of used M tiles (written by dispatch_scatter), with
+    # a shared expert the count of its finished shared gate/up tiles, and (when it also
+    # combines; not in a profiling build, which times the combine as its own kernel) the
+    # count of its finished down tiles.
+    fused_combine = fuse and not (overrides or {}).get("profile")
     used_slot = len(gemm_names)
     shared_slot = used_slot + 1
+    done_slot = used_slot + 1 + bool(S)
     # Last entry: the launch's error code, set by a GEMM wait that timed out (0: none).
-    status_slot = len(gemm_names) + fuse + bool(fuse and S)
+    status_slot = len(gemm_names) + fuse + bool(fuse and S) + fused_combine
     n_counters = status_slot + 1
     buffers = [
         Buffer("tile_counters", "i32", [str(n_counters)]),
@@ -389,7 +393,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         steps["forward"] = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"] + \
             (["shared_gateup", "shared_down"] if S else [])
     if fuse:
-        kernels.append(fused_gemm(gateup, H, I, E, used_slot, target, S, shared_slot, gemm_names.index("gemm_fused")))
+        kernels.append(fused_gemm(gateup, H, I, E, used_slot, target, S, shared_slot, gemm_names.index("gemm_fused"),
+                                  done_slot if fused_combine else None, K))
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
         steps["forward_fused" if paths == "by_tokens" else "forward"] = ["dispatch_count", "dispatch_scatter",
                                                                            "gemm_fused"]
@@ -429,8 +434,14 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         "combine", "reduce", "combine", "combine.py.j2", "main",
         dict(experts=E, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
         cargs, grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
-    for entry in steps:
-        steps[entry].append("combine")
+    for entry in steps:  # the fused launch may combine itself
+        if not (fused_combine and "gemm_fused" in steps[entry]):
+            steps[entry].append("combine")
+    if fused_combine:
+        decisions.append(
+            f"gemm_fused also combines: each down tile raises tile_counters[{done_slot}] after its stores; once a CTA "
+            "has no tile left, its consumer warps wait until every down tile is stored, then reduce token rows "
+            "t = CTA, CTA + grid, ... with the combine's fixed k order (the same bits as the combine kernel)")
     forward = steps["forward"]
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
 
@@ -451,6 +462,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA) records its SM and "
                          "its start and end time (globaltimer) in prof_<kernel>; `mokgen profile` draws them")
 
+    steps["route"] = ["route"]
+    kernels = [k for k in kernels if any(k.name in entry for entry in steps.values())]  # nothing unused is built
     plan = Plan(
         format=PLAN_FORMAT,
         mokgen_version=__version__,
@@ -463,7 +476,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         reduction_order=reduction_order,
         buffers=buffers,
         kernels=kernels,
-        steps=dict(steps, route=["route"]),
+        steps=steps,
         flops=str(graph.flops()),
         decisions=decisions,
         overrides=dict(overrides or {}),
@@ -527,7 +540,7 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
 
 
 def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target, S: int = 0,
-               shared_slot: int = 0, sched_slot: int = 0) -> KernelPlan:
+               shared_slot: int = 0, sched_slot: int = 0, done_slot: int | None = None, K: int = 0) -> KernelPlan:
     """gate/up and down as one persistent kernel, plus the shared expert's two GEMMs when
     the spec has one. A down tile (TILE_M x 2*tile_n) is two tile_n-wide halves, so all tile
     kinds share the gate/up kernel's MMA shape (two B operands, two accumulators), its
@@ -538,7 +551,7 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
                         f"expert's {S} of {p['tile_n']}")
     params = dict(p, fused=True, name="gemm_fused", class_name="GemmFused", n2_size=H, k2_size=I,
                   n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot, s_size=S, shared_slot=shared_slot,
-                  sched_slot=sched_slot,
+                  sched_slot=sched_slot, combine=done_slot is not None, done_slot=done_slot or 0, topk=K,
                   doc="Routed gate/up (SwiGLU) and down projections in one launch"
                       + (", with the shared expert's." if S else "."))
     args = list(gateup.args[:-1]) + [
@@ -553,6 +566,9 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
                  KernelArg("b5", "ws_down", "bf16", [H, S]), KernelArg("c3", "hs", "bf16", ["T", S]),
                  KernelArg("c4", "ys", "bf16", ["T", H])]
         tiles += f" + ST*{S // p['tile_n'] + H // (2 * p['tile_n'])}"
+    if done_slot is not None:  # the combine's inputs and output
+        args += [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("weights", "topk_weights", "f32", ["T", K]),
+                 KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("out", "out", "bf16", ["T", H])]
     return KernelPlan("gemm_fused", "gemm", "gemm_fused", "grouped_gemm_persistent.py.j2", "main", params, args,
                       grid=f"(min({p['sms']}, {tiles}),)", block=p["threads"],
                       warp_roles=gateup.warp_roles + ["a down tile's TMA producer first waits on h_ready[m]"],
