@@ -756,17 +756,32 @@ class GemmFused:
                 failed = wait_count_bounded(down_done, down_total, status, failed)
             epi_barrier.arrive_and_wait()
             cute.arch.fence_acq_rel_gpu()  # thread 0's acquire covers this thread's reads of y
+            # One token row per consumer warp at a time (rows CTA * warps + warp, then strided by
+            # all the launch's consumer warps); its K ids, positions and weights are read once,
+            # and each lane keeps 2 x TOPK row loads in flight: this CTA has only its consumer
+            # warps to hide the latency of y, where a combine kernel has a full SM of them.
             block, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
-            for t in cutlass.range(block, out.shape[0], grid, unroll=1):
-                for col in cutlass.range(ctid, N2_SIZE // VEC, CONSUMER_THREADS, unroll=1):
+            lane = cute.arch.lane_idx()
+            cwarp = ctid // 32
+            rows_pos = cute.make_rmem_tensor((TOPK,), cutlass.Int32)
+            rows_w = cute.make_rmem_tensor((TOPK,), cutlass.Float32)
+            for t in cutlass.range(block * (CONSUMER_THREADS // 32) + cwarp, out.shape[0],
+                                   grid * (CONSUMER_THREADS // 32), unroll=1):
+                for k in cutlass.range_constexpr(TOPK):
+                    e = ids[t, k]
+                    rows_pos[k] = pos[t, k]
+                    rows_w[k] = weights[t, k]
+                    if e < 0 or e >= GROUPS:  # out-of-range ids contribute nothing
+                        rows_w[k] = 0.0
+                        rows_pos[k] = -1
+                for col in cutlass.range(lane, N2_SIZE // VEC, 32, unroll=2):
                     acc = cute.make_rmem_tensor((1, VEC), cutlass.Float32)
                     acc.fill(0.0)
                     for k in cutlass.range_constexpr(TOPK):
-                        e = ids[t, k]
-                        if e >= 0 and e < GROUPS:  # out-of-range ids contribute nothing
-                            yk = cute.local_tile(y, (1, VEC), (pos[t, k], col)).load().to(cutlass.Float32)
-                            acc.store(acc.load() + yk * weights[t, k])
+                        if rows_pos[k] >= 0:
+                            yk = cute.local_tile(y, (1, VEC), (rows_pos[k], col)).load().to(cutlass.Float32)
+                            acc.store(acc.load() + yk * rows_w[k])
                     cute.local_tile(out, (1, VEC), (t, col)).store(acc.load().to(cutlass.BFloat16))
 
 
