@@ -58,7 +58,17 @@ def format_task_graph(plan: dict, tokens=(64, 256, 1024, 4096, 16384)) -> str:
     from .schedule.taskgraph import gemm_model_params, simulate
 
     tg = plan["task_graph"]
-    out = ["task graph of the fused forward (one persistent launch; planned, not generated yet)",
+    fused = next((k for k in plan["kernels"] if k["name"] == "gemm_fused"), None)
+    if fused is None:
+        status = "planned; this build runs one launch per stage"
+    else:
+        tasks = "gate/up, " + ("shared gate/up, " if fused["params"].get("s_size") else "") + "down" + \
+            (", shared down" if fused["params"].get("s_size") else "") + \
+            (" and combine" if fused["params"].get("combine") else "")
+        when = f"calls with T <= {plan['fused_max_tokens']}" if plan.get("fused_max_tokens") else "every call"
+        status = (f"generated in part: for {when}, gemm_fused runs the {tasks} tasks in one launch; "
+                  "route, count and scatter are still launches of their own")
+    out = [f"task graph of the fused forward ({status})",
            "  SM roles: " + ", ".join(f"{k} {v}" for k, v in tg["sm_roles"].items()),
            f"  rule: {tg['rule']}"]
     rows = [[k["priority"], k["name"], k["granularity"], k["count"], k["waits_on"], k["signals"],
