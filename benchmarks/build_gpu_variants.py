@@ -11,7 +11,7 @@ from mokgen.codegen.build import build_profiling
 from mokgen.ir import PRESETS, MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_golden_gpu import (DEADLOCK_OVERRIDES, FUSED_OVERRIDES, SAME_BITS_EXPERIMENTS, SHAPES,  # noqa: E402
+from test_golden_gpu import (BROKEN_BUILDS, FUSED_OVERRIDES, SAME_BITS_EXPERIMENTS, SHAPES,  # noqa: E402
                              deadlock_dir, experiment_dir, fused_dir, spec_of)
 
 force = "--force" in sys.argv
@@ -21,8 +21,9 @@ specs.append(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048))  # th
 for i, spec in enumerate(specs):
     print(f"[{i + 1}/{len(specs) + 1}] {spec.variant}", flush=True)
     build(spec, default_out(), force=force, log=lambda m: None)
-print(f"[{len(specs) + 1}/{len(specs) + 1}] debug variant with an injected deadlock; profiling builds", flush=True)
-build(spec_of(SHAPES[0]), deadlock_dir(), overrides=DEADLOCK_OVERRIDES, force=force, log=lambda m: None)
+print(f"[{len(specs) + 1}/{len(specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)
+for name, (overrides, *_) in BROKEN_BUILDS.items():
+    build(spec_of(SHAPES[0]), deadlock_dir(name), overrides=overrides, force=force, log=lambda m: None)
 for shape in (SHAPES[0], SHAPES[4]):
     build_profiling(spec_of(shape), force=force, log=lambda m: None)
 # The fused-launch experiment, and the layers with a shared expert it is benchmarked on.

@@ -158,23 +158,34 @@ def test_torch_compile_fake(gen):
     assert torch.equal(f(x, ids, w), v.forward(x, ids, w, wg, wu, wd) * 2)
 
 
-# A debug build whose gate/up pipeline deadlocks (the gather releases its stages too late,
-# past the bound the Plan normally enforces) and whose waits give up after half a second.
-DEADLOCK_OVERRIDES = {"debug_unchecked": True, "gemm_gateup.gather_lag": 3, "wait_timeout_ms": 500}
+# Debug builds whose waits give up after half a second and that never finish:
+#   deadlock:           the gate/up pipeline deadlocks (the gather releases its stages too
+#                       late, past the bound the Plan normally enforces);
+#   broken_dependency:  the single launch's down tiles wait for one gate/up tile more than
+#                       an M tile has, so their h_ready counter never gets there.
+# (overrides, tokens, the kernel and the wait the error must name)
+BROKEN_BUILDS = {
+    "deadlock": ({"debug_unchecked": True, "gemm_gateup.gather_lag": 3, "wait_timeout_ms": 500}, 4096,
+                 "gemm_gateup", "pipeline stage"),
+    "broken_dependency": ({"fuse_gemms": True, "debug_break_dependency": True, "wait_timeout_ms": 500}, 64,
+                          "gemm_fused", "h_ready"),
+}
 
 
-def deadlock_dir():
+def deadlock_dir(name="deadlock"):
     from mokgen.codegen import default_out
 
-    return default_out() / "debug" / "deadlock"
+    return default_out() / "debug" / name
 
 
-def test_a_deadlocked_kernel_fails_fast_instead_of_hanging():
+@pytest.mark.parametrize("broken", sorted(BROKEN_BUILDS))
+def test_a_deadlocked_kernel_fails_fast_instead_of_hanging(broken):
     import subprocess
     import sys
     import time
 
-    path = deadlock_dir() / spec_of(SHAPES[0]).variant
+    overrides, tokens, kernel, site = BROKEN_BUILDS[broken]
+    path = deadlock_dir(broken) / spec_of(SHAPES[0]).variant
     if not (path / "build" / "libmokgen.so").exists():
         from conftest import HAS_CUTLASS
 
@@ -182,13 +193,13 @@ def test_a_deadlocked_kernel_fails_fast_instead_of_hanging():
             pytest.skip("debug variant not built: run benchmarks/build_gpu_variants.py where CuTe-DSL is installed")
         from mokgen.codegen import build
 
-        build(spec_of(SHAPES[0]), deadlock_dir(), overrides=DEADLOCK_OVERRIDES, log=lambda m: None)
+        build(spec_of(SHAPES[0]), deadlock_dir(broken), overrides=overrides, log=lambda m: None)
     code = (
         "import torch, mokgen\n"
         "from mokgen.runtime import KernelTimeout\n"
         "from mokgen.verify import make_inputs\n"
         f"v = mokgen.load({str(path)!r})\n"
-        "x, ids, w, wg, wu, wd, _ = make_inputs(v.spec, 4096, 'uniform')\n"
+        f"x, ids, w, wg, wu, wd, _ = make_inputs(v.spec, {tokens}, 'uniform')\n"
         "v.forward(x, ids, w, wg, wu, wd)\n"
         "try:\n"
         "    v.check_errors()\n"
@@ -203,7 +214,7 @@ def test_a_deadlocked_kernel_fails_fast_instead_of_hanging():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     elapsed = time.time() - t0
     assert "finished" not in p.stdout, "the deadlocked kernel completed without reporting?"
-    assert "KernelTimeout:" in p.stdout and "gemm_gateup" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "KernelTimeout:" in p.stdout and kernel in p.stdout and site in p.stdout, p.stdout + p.stderr[-2000:]
     assert "recovered True" in p.stdout, p.stdout + p.stderr[-2000:]
     assert elapsed < 60, f"took {elapsed:.0f}s to fail"
 

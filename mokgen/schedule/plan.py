@@ -395,6 +395,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     if fuse:
         kernels.append(fused_gemm(gateup, H, I, E, used_slot, target, S, shared_slot, gemm_names.index("gemm_fused"),
                                   done_slot if fused_combine else None, K))
+        kernels[-1].params["debug_break_dependency"] = bool((overrides or {}).get("debug_break_dependency"))
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
         steps["forward_fused" if paths == "by_tokens" else "forward"] = ["dispatch_count", "dispatch_scatter",
                                                                            "gemm_fused"]
@@ -586,8 +587,11 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
         k.args.append(KernelArg("prof", buf, "i64", ["P", 3]))
 
 
-# debug_unchecked skips the safety checks (tests inject a deadlock with it).
-OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|profile|fuse_gemms|cluster_m|dispatch_chunked"
+# debug_unchecked skips the safety checks (tests inject a deadlock with it);
+# debug_break_dependency makes the fused launch's down tiles wait for a count h_ready never
+# reaches (tests check that a broken dependency ends in a clear error, not a hang).
+OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|profile|fuse_gemms"
+                           r"|cluster_m|dispatch_chunked"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -599,7 +603,7 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"unknown plan override {key!r}")
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
-        if key in ("debug_unchecked", "profile", "fuse_gemms", "dispatch_chunked"):
+        if key in ("debug_unchecked", "debug_break_dependency", "profile", "fuse_gemms", "dispatch_chunked"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
