@@ -142,6 +142,29 @@ def test_bad_inputs_rejected_before_launch(gen):
         mokgen.moe(x, ids, w[:, :4].contiguous(), wg, wu, wd)
     with pytest.raises(InputError, match="on a CUDA device"):
         mokgen.moe(x.cpu(), ids, w, wg, wu, wd)
+    with pytest.raises(InputError, match="NaN or Inf"):
+        nan = x.clone()
+        nan[5, 7] = float("inf")
+        mokgen.moe(nan, ids, w, wg, wu, wd)
+
+
+def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
+    # check_ids=False skips the host check: dispatch finds the pair no expert counted, the
+    # call still finishes (that pair contributes nothing), and the error surfaces after.
+    import mokgen
+    from mokgen.runtime import InputError
+
+    for T in (16, 4096):  # the fused path and the multi-kernel path
+        x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], T, "uniform", gen)
+        bad = ids.clone()
+        bad[3, 2] = 64
+        mokgen.moe(x, bad, w, wg, wu, wd, check_ids=False)
+        with pytest.raises(InputError, match="outside \\[0, 64\\)"):
+            mokgen.check_errors()
+        mokgen.check_errors()  # reported once
+        out = mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False)
+        mokgen.check_errors()
+        assert torch.isfinite(out.float()).all()
 
 
 def test_torch_compile_fake(gen):

@@ -29,3 +29,14 @@ def test_a_timed_out_wait_is_reported_by_kernel_and_site():
     msg = timeout_message("e64_k8_h2048_i1024_bf16_sm90a", {0: "gemm_gateup", 1: "gemm_down"}, 16 * 2 + 2, 500)
     assert "gemm_down" in msg and "free pipeline stage" in msg and "500 ms" in msg and "still usable" in msg
     assert "GEMM slot 6" in timeout_message("v", {}, 16 * 7 + 9, 1)
+
+
+def test_error_codes_become_the_right_exception():
+    from mokgen.runtime import KernelTimeout
+    from mokgen.runtime.variant import status_error
+    from mokgen.schedule.plan import BAD_IDS_CODE
+
+    e = status_error("v", 64, {0: "gemm_fused"}, BAD_IDS_CODE, 500)
+    assert isinstance(e, InputError) and "outside [0, 64)" in str(e)
+    e = status_error("v", 64, {0: "gemm_fused"}, 16 + 4, 500)
+    assert isinstance(e, KernelTimeout) and "gemm_fused" in str(e) and "h_ready" in str(e)

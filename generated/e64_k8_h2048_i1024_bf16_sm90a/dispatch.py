@@ -32,6 +32,8 @@ TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM c
 THREADS = 1024
 WARPS = THREADS // 32
 ITEMS = 4  # pairs per thread and step of the compaction
+STATUS_SLOT = 5  # tile_counters entry for the call's error code (0: none)
+BAD_IDS = 1  # error code: some topk_ids were outside [0, EXPERTS)
 
 
 @cute.kernel
@@ -77,13 +79,20 @@ def scatter_kernel(
     if tidx == 0:
         before = cutlass.Int32(0)
         total = cutlass.Int32(0)
+        pairs = cutlass.Int32(0)
         for j in cutlass.range(EXPERTS, unroll=1):
             tiles_j = (counts[j] + (TILE_M * TILE_ALIGN - 1)) // (TILE_M * TILE_ALIGN) * TILE_ALIGN
             if j < e:
                 before = before + tiles_j
             total = total + tiles_j
+            pairs = pairs + counts[j]
         shared_scalars[0] = before
         shared_scalars[1] = total
+        # Pairs whose id is outside [0, EXPERTS) were counted by no expert: they contribute
+        # nothing, and the call reports it (the host raises when it reads the error code).
+        if e == 0:
+            if pairs != n:
+                tile_counters[STATUS_SLOT] = BAD_IDS
     cute.arch.sync_threads()
     tiles_before = shared_scalars[0]
     tiles_total = shared_scalars[1]

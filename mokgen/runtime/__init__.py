@@ -76,8 +76,10 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
         check_ids: bool = True):
     """out[t] = bf16(sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) + shared(x)[t]).
 
-    Checks every input before any launch. check_ids reads the ids back to the host
-    (a synchronisation); it is skipped during CUDA graph capture.
+    Checks every input before any launch. check_ids also checks the values (ids in range, x
+    finite), which reads one small tensor back to the host (a synchronisation); it is skipped
+    during CUDA graph capture. Unchecked out-of-range ids contribute nothing and are reported
+    by the device: mokgen.check_errors() or the next call raises InputError.
     """
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
@@ -89,7 +91,7 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
             raise InputError(f"these shapes cannot be generated: {e}") from None
         raise
     if check_ids:
-        check_ids_in_range(topk_ids, E)
+        check_ids_in_range(topk_ids, E, x)
     return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
 

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from ..ir import MoESpec
 from ..ir.graph import T as T_SYM
-from ..schedule.plan import WAIT_TIMEOUT_MS
+from ..schedule.plan import BAD_IDS_CODE, WAIT_TIMEOUT_MS
+from .checks import InputError
 from .library import Launcher, cuda_stream, open_library
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
@@ -45,6 +46,14 @@ def timeout_message(variant: str, gemm_by_slot: dict, code: int, timeout_ms: int
     site = WAIT_SITES.get(code % 16, f"wait site {code % 16}")
     return (f"{variant}: {kernel} gave up {site} after the {timeout_ms} ms bound (error code {code}): a deadlock "
             "or a bug, so that call's output is invalid; the CUDA context is still usable")
+
+
+def status_error(variant: str, experts: int, gemm_by_slot: dict, code: int, timeout_ms: int) -> Exception:
+    """The exception an error code the kernels recorded turns into (code != 0)."""
+    if code == BAD_IDS_CODE:
+        return InputError(f"{variant}: topk_ids of an earlier call held values outside [0, {experts}) (found on "
+                          "the device; those pairs contributed nothing to that call's output)")
+    return KernelTimeout(timeout_message(variant, gemm_by_slot, code, timeout_ms))
 
 
 class Variant:
@@ -80,7 +89,7 @@ class Variant:
         self._status_slot = next((k["params"]["status_slot"] for k in self.plan["kernels"]
                                   if "status_slot" in k["params"]), None)
         self._gemm_by_slot = {k["params"]["sched_slot"]: k["name"] for k in self.plan["kernels"]
-                              if "status_slot" in k["params"]}
+                              if "sched_slot" in k["params"]}
         self._status_host = None
         self._status_event = None
         self.ops = None if self.profiling else _register_ops(self)
@@ -117,11 +126,12 @@ class Variant:
         code = int(self._status_host[0])
         if code:
             self._status_host[0] = 0
-            raise KernelTimeout(timeout_message(self.name, self._gemm_by_slot, code,
-                                                self.plan["overrides"].get("wait_timeout_ms", WAIT_TIMEOUT_MS)))
+            raise status_error(self.name, self.spec.experts, self._gemm_by_slot, code,
+                               self.plan["overrides"].get("wait_timeout_ms", WAIT_TIMEOUT_MS))
 
     def check_errors(self) -> None:
-        """Wait for this variant's launched work and raise KernelTimeout if a kernel gave up a wait."""
+        """Wait for this variant's launched work; raise KernelTimeout if a kernel gave up a
+        wait, InputError if dispatch found topk_ids out of range."""
         self._check_status(wait=True)
 
     def _record_status(self, env: dict) -> None:

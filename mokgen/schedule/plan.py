@@ -302,7 +302,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # send: count, then scatter (positions, row -> token table, tile table)
     dispatch_threads = min(1024, target.max_threads_per_block)
     dparams = dict(experts=E, topk=K, tile_m=row_tile, threads=dispatch_threads, items_per_thread=DISPATCH_ITEMS,
-                   tile_align=cluster_m)
+                   tile_align=cluster_m, status_slot=status_slot, bad_ids_code=BAD_IDS_CODE)
     kernels += [
         KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
                    [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
@@ -312,9 +312,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         KernelPlan("dispatch_scatter", "send", "dispatch", "dispatch.py.j2", "scatter", dparams,
                    [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
                     KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("row_token", "row_token", "i32", ["M"]),
-                    KernelArg("tile_expert", "tile_expert", "i32", ["MT"])]
-                   + ([KernelArg("tile_counters", "tile_counters", "i32", [n_counters]),
-                       KernelArg("h_ready", "h_ready", "i32", ["MT"])] if fuse else []),
+                    KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                    KernelArg("tile_counters", "tile_counters", "i32", [n_counters])]
+                   + ([KernelArg("h_ready", "h_ready", "i32", ["MT"])] if fuse else []),
                    grid=f"({E},)", block=dispatch_threads,
                    warp_roles=["all warps: stable compaction of one expert's pairs (block scan)"]),
     ]
@@ -515,6 +515,10 @@ def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict 
                          "one persistent kernel), larger ones one launch per GEMM (measured crossover, docs/perf.md)")
 
 
+# Error code dispatch_scatter records when some topk_ids are outside [0, E) (codes of the
+# GEMMs' timed-out waits are 16 and up; mokgen/runtime/variant.py turns both into errors).
+BAD_IDS_CODE = 1
+
 CHUNK_THREADS = 256  # chunked dispatch: threads per CTA (8 warps)
 CHUNK_PAIRS = 1024  # and (token, slot) pairs per CTA: 4 ranking steps of 32 per warp
 
@@ -527,6 +531,8 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
     hist = KernelArg("chunk_hist", "chunk_hist", "i32", ["C", E])
     params = dict(dparams, threads=CHUNK_THREADS, chunk=CHUNK_PAIRS)
     count, scatter = plain
+    if not dparams["fused"]:  # this template takes the counters only to feed the fused launch
+        scatter.args = [a for a in scatter.args if a.tensor != "tile_counters"]
     grid = f"(ceil(T*{K}/{CHUNK_PAIRS}),)"
     count_args = [count.args[0], hist, count.args[2]]  # ids, chunk_hist, tile_counters
     scatter_args = [scatter.args[0], hist] + scatter.args[1:]  # ids, chunk_hist, counts, pos, ...
