@@ -164,6 +164,7 @@ def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, fo
                 (final / "manifest.json").read_text() == files["manifest.json"]:
             log(f"{plan.variant}: source up to date ({final})")
             return final
+        _remove_leftovers(out, plan.variant)
         tmp = out / f".tmp-{plan.variant}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -198,6 +199,25 @@ def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, fo
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _remove_leftovers(out: Path, variant: str) -> None:
+    """(under the variant's lock) Remove the half-written trees of builds that were killed
+    (kill -9 skips their cleanup): nothing ever loads them, this only frees the disk."""
+    for d in list(out.glob(f".tmp-{variant}-*")) + list(out.glob(f".old-{variant}-*")):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _publish(tmp: Path, final: Path) -> None:

@@ -30,11 +30,12 @@ def load(spec_or_path, *, build: bool = True) -> Variant:
     """A Variant from a MoESpec (built on first use where CuTe-DSL is installed) or a variant directory."""
     if isinstance(spec_or_path, MoESpec):
         path = variants_root() / spec_or_path.variant
-        if build and _can_compile():
-            from ..codegen import build as build_variant, is_built
+        if build and _can_compile() and str(path.resolve()) not in _LOADED:
+            from ..codegen import build as build_variant
 
-            if not is_built(path):
-                build_variant(spec_or_path, variants_root())
+            # A no-op when the variant on disk was built from exactly what this mokgen renders
+            # now; a variant of another template, mokgen or CuTe-DSL version is rebuilt.
+            build_variant(spec_or_path, variants_root(), log=lambda m: None)
     else:
         path = Path(spec_or_path)
         if not path.is_dir():
@@ -47,7 +48,22 @@ def load(spec_or_path, *, build: bool = True) -> Variant:
             raise VariantNotBuilt(
                 f"variant not found at {path}; build it with `mokgen build` (needs nvidia-cutlass-dsl)")
         _LOADED[key] = Variant(path)
+        _warn_if_stale(_LOADED[key])
     return _LOADED[key]
+
+
+def _warn_if_stale(v: Variant) -> None:
+    """Where nothing can rebuild it (no CuTe-DSL here), say so when a variant was built by
+    another mokgen: it still runs, but it is not what this version would generate."""
+    from .. import __version__
+
+    built_by = v.manifest.get("plan", {}).get("mokgen_version")
+    if built_by and built_by != __version__:
+        import warnings
+
+        warnings.warn(f"{v.name} was built by mokgen {built_by}, this is {__version__}: rebuild it with "
+                      f"`mokgen build --from-manifest {v.path / 'manifest.json'}` where CuTe-DSL is installed",
+                      stacklevel=3)
 
 
 def _find_built(want: dict) -> Variant | None:

@@ -1,0 +1,99 @@
+"""[hardening] Builds: concurrent builds never corrupt the variants directory, a killed build
+leaves nothing a later load trusts, and a variant another mokgen, template or CuTe-DSL
+version built is rebuilt (or, where nothing can rebuild it, reported)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mokgen.codegen.render import render
+from mokgen.ir import MoESpec
+from mokgen.schedule.plan import make_plan
+
+A = MoESpec(experts=8, topk=2, hidden=256, intermediate=128)
+B = MoESpec(experts=6, topk=3, hidden=192, intermediate=320, shared_intermediate=64)
+
+
+def cli_build(spec, out, *extra):
+    return [sys.executable, "-m", "mokgen.cli", "build", "--experts", str(spec.experts), "--topk", str(spec.topk),
+            "--hidden", str(spec.hidden), "--intermediate", str(spec.intermediate), "--shared-intermediate",
+            str(spec.shared_intermediate), "--out", str(out), *extra]
+
+
+def test_concurrent_builds_of_the_same_and_other_variants_never_corrupt(tmp_path):
+    # Six processes at once: three render the same variant, three another; each also
+    # re-renders with --force, so publishes really race.
+    procs = [subprocess.Popen(cli_build(spec, tmp_path, "--no-compile", *(["--force"] if i % 2 else [])),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, spec in enumerate([A, B, A, B, A, B])]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    for spec in (A, B):
+        files = render(make_plan(spec))
+        for rel, text in files.items():
+            assert (tmp_path / spec.variant / rel).read_text() == text, rel
+    assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
+
+
+@pytest.mark.compile
+def test_a_killed_build_leaves_nothing_a_load_would_trust(tmp_path):
+    from mokgen.codegen import build, is_built
+    from mokgen.runtime import VariantNotBuilt, load
+
+    p = subprocess.Popen(cli_build(A, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(f".tmp-{A.variant}-*/build")) and time.time() < deadline:
+        time.sleep(0.05)  # wait until it is compiling
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert list(tmp_path.glob(".tmp-*")), "the kill came too late to test anything"
+    assert not is_built(tmp_path / A.variant)
+    with pytest.raises(VariantNotBuilt):
+        load(tmp_path / A.variant)
+    # The next build succeeds and clears what the killed one left.
+    build(A, tmp_path, log=lambda m: None)
+    assert is_built(tmp_path / A.variant) and not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.compile
+def test_a_variant_of_another_version_is_rebuilt(tmp_path, monkeypatch):
+    from mokgen.codegen import build
+
+    path = build(A, tmp_path, log=lambda m: None)
+    fresh = (path / "manifest.json").read_text()
+    for field in ("templates", "cute_dsl_version"):  # another template, another CuTe-DSL
+        m = json.loads(fresh)
+        m[field] = {"grouped_gemm_persistent.py.j2": "0" * 16} if field == "templates" else "4.0.0"
+        (path / "manifest.json").write_text(json.dumps(m))
+        stamp = (path / "build" / "build.json").stat().st_mtime_ns
+        # What mokgen.load(spec) does where CuTe-DSL is installed: a stale variant is rebuilt.
+        monkeypatch.setenv("MOKGEN_HOME", str(tmp_path))
+        import mokgen.runtime as rt
+
+        monkeypatch.setattr(rt, "Variant", lambda p: type("V", (), {"manifest": {}, "name": "v", "path": p})())
+        rt._LOADED.clear()
+        rt.load(A)
+        assert (path / "manifest.json").read_text() == fresh
+        assert (path / "build" / "build.json").stat().st_mtime_ns != stamp
+
+
+def test_a_variant_built_by_another_mokgen_is_reported_where_it_cannot_be_rebuilt(tmp_path, monkeypatch):
+    import mokgen.runtime as rt
+
+    path = tmp_path / A.variant
+    path.mkdir()
+    files = render(make_plan(A))
+    m = json.loads(files["manifest.json"])
+    m["plan"]["mokgen_version"] = "0.0.1"
+    (path / "manifest.json").write_text(json.dumps(m))
+    fake = type("V", (), {"manifest": m, "name": A.variant, "path": path})()
+    monkeypatch.setattr(rt, "Variant", lambda p: fake)
+    rt._LOADED.clear()
+    with pytest.warns(UserWarning, match="built by mokgen 0.0.1"):
+        rt.load(path)
+    rt._LOADED.clear()
