@@ -84,8 +84,9 @@ class Variant:
         # it never takes over the torch ops of the normal build of the same variant.
         self.profiling = bool(self.plan.get("overrides", {}).get("profile"))
         self.last_records: dict = {}
-        # The GEMMs' error code (0: none) lands in the last tile_counters entry; each call
-        # copies it to pinned host memory behind its kernels, checked without a sync.
+        # The call's error code (0: none; a GEMM wait that timed out, or ids dispatch found out
+        # of range) lands in the last tile_counters entry; each call copies it to pinned host
+        # memory behind its kernels, checked without a sync.
         self._status_slot = next((k["params"]["status_slot"] for k in self.plan["kernels"]
                                   if "status_slot" in k["params"]), None)
         self._gemm_by_slot = {k["params"]["sched_slot"]: k["name"] for k in self.plan["kernels"]
@@ -115,8 +116,9 @@ class Variant:
         return ws
 
     def _check_status(self, wait: bool) -> None:
-        """Raise KernelTimeout if an earlier call's kernels recorded a timed-out wait.
-        wait=False looks only if that call has finished (never blocks)."""
+        """Raise what an earlier call's kernels recorded (KernelTimeout for a timed-out wait,
+        InputError for out-of-range ids). wait=False looks only if that call has finished
+        (never blocks)."""
         if self._status_host is None or torch.cuda.is_current_stream_capturing():
             return  # no event query or sync may run inside a capture; replays are checked after
         if self._status_event is not None and not wait and not self._status_event.query():
