@@ -165,8 +165,9 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
             st = gpu_state()
             if joules is not None:
                 st["joules"] = joules
+            path = variant.forward_entry(T) if name.startswith("mokgen") else None  # which forward path ran
             rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=err,
-                             routing=routing, **st))
+                             routing=routing, path=path, **st))
             log(f"  {variant.name} T={T} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, rel_err {err:.2e}"
                 + (f", {st['sm_clock_mhz']} MHz, {st['power_w']} W" if "power_w" in st else "")
                 + (f", {st['joules']:.3f} J per call" if "joules" in st else ""))
