@@ -17,7 +17,7 @@ import sys
 import torch
 
 import mokgen
-from mokgen.bench import _capture, gpu_state, time_ms, torch_grouped_mm
+from mokgen.bench import _capture, baseline_weights, gpu_state, time_ms, torch_grouped_mm
 from mokgen.codegen import default_out
 from mokgen.runtime import Variant
 from mokgen.verify import make_inputs
@@ -39,8 +39,7 @@ exp = Variant(path)
 rows = []
 for T in [int(t) for t in args.tokens.split(",")]:
     x, ids, w, wg, wu, wd, shared = make_inputs(spec, T, "uniform", torch.Generator("cuda").manual_seed(T))
-    w13 = torch.cat([wg, wu], dim=1)
-    ws = (torch.cat([shared[0], shared[1]], dim=0), shared[2]) if spec.shared_intermediate else None
+    w13, ws = baseline_weights(wg, wu, *shared)
     impls = {
         "default": _capture(lambda: plain.forward(x, ids, w, wg, wu, wd, *shared)).replay,
         args.name: _capture(lambda: exp.forward(x, ids, w, wg, wu, wd, *shared)).replay,

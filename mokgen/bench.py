@@ -26,6 +26,12 @@ from .reference import moe_reference, rel_error
 from .verify import make_inputs
 
 
+def baseline_weights(wg, wu, sg=None, su=None, sd=None):
+    """The baselines' weights, concatenated once outside the timed region: w13 = [w_gate;
+    w_up] per expert, and (ws13, ws_down) for a shared expert (None without one)."""
+    return torch.cat([wg, wu], dim=1), ((torch.cat([sg, su], dim=0), sd) if sg is not None else None)
+
+
 def torch_shared_expert(x, ws13, ws_down, out):
     """Adds the shared expert (every token) to the fp32 accumulator, as dense bf16 matmuls."""
     S = ws_down.shape[1]
@@ -146,8 +152,7 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
         flops = 6.0 * T * spec.topk * spec.hidden * spec.intermediate + 6.0 * T * spec.hidden * spec.shared_intermediate
         ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd) if T * spec.hidden <= 16384 * 4096 else None
         impls = {"mokgen": lambda: variant.ops.forward(x, ids, w, wg, wu, wd, sg, su, sd)}
-        w13 = torch.cat([wg, wu], dim=1)
-        shared = (torch.cat([sg, su], dim=0), sd) if spec.shared_intermediate else None
+        w13, shared = baseline_weights(wg, wu, sg, su, sd)
         if "torch_grouped_mm" in baselines:
             impls["torch_grouped_mm"] = lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate, shared)
         if "torch_loop" in baselines:

@@ -195,6 +195,21 @@ BROKEN_BUILDS = {
 }
 
 
+def built_path(spec, directory, overrides):
+    """The directory of a non-default build (Plan overrides) of spec: built here where
+    CuTe-DSL is installed, else it must have come built (benchmarks/build_gpu_variants.py)."""
+    path = directory / spec.variant
+    if not (path / "build" / "libmokgen.so").exists():
+        from conftest import HAS_CUTLASS
+
+        if not HAS_CUTLASS:
+            pytest.skip(f"{path} not built: run benchmarks/build_gpu_variants.py where CuTe-DSL is installed")
+        from mokgen.codegen import build
+
+        build(spec, directory, overrides=overrides, log=lambda m: None)
+    return path
+
+
 def deadlock_dir(name="deadlock"):
     from mokgen.codegen import default_out
 
@@ -208,15 +223,7 @@ def test_a_deadlocked_kernel_fails_fast_instead_of_hanging(broken):
     import time
 
     overrides, tokens, kernel, site = BROKEN_BUILDS[broken]
-    path = deadlock_dir(broken) / spec_of(SHAPES[0]).variant
-    if not (path / "build" / "libmokgen.so").exists():
-        from conftest import HAS_CUTLASS
-
-        if not HAS_CUTLASS:
-            pytest.skip("debug variant not built: run benchmarks/build_gpu_variants.py where CuTe-DSL is installed")
-        from mokgen.codegen import build
-
-        build(spec_of(SHAPES[0]), deadlock_dir(broken), overrides=overrides, log=lambda m: None)
+    path = built_path(spec_of(SHAPES[0]), deadlock_dir(broken), overrides)
     code = (
         "import torch, mokgen\n"
         "from mokgen.runtime import KernelTimeout\n"
@@ -298,16 +305,7 @@ def fused_dir():
 def fused_variant(shape):
     from mokgen.runtime import Variant
 
-    path = fused_dir() / spec_of(shape).variant
-    if not (path / "build" / "libmokgen.so").exists():
-        from conftest import HAS_CUTLASS
-
-        if not HAS_CUTLASS:
-            pytest.skip("fused variant not built: run benchmarks/build_gpu_variants.py where CuTe-DSL is installed")
-        from mokgen.codegen import build
-
-        build(spec_of(shape), fused_dir(), overrides=FUSED_OVERRIDES, log=lambda m: None)
-    return Variant(path)
+    return Variant(built_path(spec_of(shape), fused_dir(), FUSED_OVERRIDES))
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
@@ -345,10 +343,7 @@ def test_fused_launch_of_real_shared_expert_layers(preset, T, routing, gen):
     from mokgen.verify import check_forward, make_inputs as inputs_of
 
     spec = PRESETS[preset]
-    path = fused_dir() / spec.variant
-    if not (path / "build" / "libmokgen.so").exists():
-        pytest.skip("fused variant not built: run benchmarks/build_gpu_variants.py")
-    fused, plain = Variant(path), mokgen.load(spec)
+    fused, plain = Variant(built_path(spec, fused_dir(), FUSED_OVERRIDES)), mokgen.load(spec)
     r = check_forward(fused, T, routing, gen)
     assert not r.unwritten and r.rel_error <= TOL, r
     x, ids, w, wg, wu, wd, shared = inputs_of(spec, T, routing, gen)
@@ -384,9 +379,7 @@ def test_experiment_gives_the_same_bits(experiment, shape, T, routing, gen):
     import mokgen
     from mokgen.runtime import Variant
 
-    path = experiment_dir(experiment) / spec_of(shape).variant
-    if not (path / "build" / "libmokgen.so").exists():
-        pytest.skip(f"{experiment} variant not built: run benchmarks/build_gpu_variants.py")
+    path = built_path(spec_of(shape), experiment_dir(experiment), SAME_BITS_EXPERIMENTS[experiment])
     exp, plain = Variant(path), mokgen.load(spec_of(shape))
     exp.poison = plain.poison = True
     x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(shape, T, routing, gen)

@@ -96,7 +96,7 @@ SCHED_SLOT = 2  # this GEMM's entry in the tile_counter buffer
 # Warps that read every scheduled tile: the producer warps that load, and all consumer warps.
 SCHED_READERS = WG_THREADS // 32 + CONSUMER_THREADS // 32
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: give up, report it
-STATUS_POLL_NS = 1_000_000  # a wait this long also checks whether another thread already gave up
+STATUS_POLL_NS = 1000000  # a wait this long also checks whether another thread already gave up
 STATUS_SLOT = 5  # tile_counter entry for the launch's error code (0: none)
 ERROR_BASE = 48  # error code = ERROR_BASE + site: which kernel, which wait
 SITE_STAGE_FULL = 1  # a consumer waited for a loaded stage
@@ -575,6 +575,7 @@ class GemmFused:
                 if tidx == 0:
                     sched_publish(counter, sched_bar, sched_tile, sched_i, claimed, sched_total, tile_expert, status, failed)
                 tile = sched_read(sched_bar, sched_tile, sched_i, status)
+            # Complete this warp's lagged arrivals before the producer leaves.
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
@@ -692,8 +693,8 @@ class GemmFused:
                             store_pipeline.producer_acquire()
                         epi_barrier.arrive_and_wait()
                     epi_count = epi_count + epi_tiles
-                    # Publish the h tile to the down tiles of this M tile: its TMA stores are
-                    # complete in global memory before the release increment.
+                    # Publish the h tile to the down tiles of this M tile: the tile's TMA stores are complete in global memory
+                    # before the release increment that tiles waiting on it acquire.
                     if store_warp:
                         cute.arch.cp_async_bulk_wait_group(0)
                         cute.arch.fence_proxy("async.global")
@@ -741,7 +742,9 @@ class GemmFused:
                             store_pipeline.producer_acquire()
                         epi_barrier.arrive_and_wait()
                     epi_count = epi_count + epi_tiles
-                    if store_warp:  # this down tile is in y: count it for the combine
+                    # Count this down tile for the combine: the tile's TMA stores are complete in global memory
+                    # before the release increment that tiles waiting on it acquire.
+                    if store_warp:
                         cute.arch.cp_async_bulk_wait_group(0)
                         cute.arch.fence_proxy("async.global")
                         cute.arch.sync_warp()

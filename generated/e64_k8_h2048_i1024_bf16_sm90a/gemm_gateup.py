@@ -69,7 +69,7 @@ SCHED_SLOT = 0  # this GEMM's entry in the tile_counter buffer
 # Warps that read every scheduled tile: the producer warps that load, and all consumer warps.
 SCHED_READERS = WG_THREADS // 32 + CONSUMER_THREADS // 32
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: give up, report it
-STATUS_POLL_NS = 1_000_000  # a wait this long also checks whether another thread already gave up
+STATUS_POLL_NS = 1000000  # a wait this long also checks whether another thread already gave up
 STATUS_SLOT = 5  # tile_counter entry for the launch's error code (0: none)
 ERROR_BASE = 16  # error code = ERROR_BASE + site: which kernel, which wait
 SITE_STAGE_FULL = 1  # a consumer waited for a loaded stage
@@ -404,6 +404,7 @@ class GemmGateup:
                 if tidx == 0:
                     sched_publish(counter, sched_bar, sched_tile, sched_i, claimed, m_tiles_total, tile_expert, status, failed)
                 tile = sched_read(sched_bar, sched_tile, sched_i, status)
+            # Complete this warp's lagged arrivals before the producer leaves.
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()

@@ -143,7 +143,8 @@ class Variant:
             self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self._status_host.copy_(env["tile_counters"][self._status_slot:self._status_slot + 1], non_blocking=True)
         if not torch.cuda.is_current_stream_capturing():
-            self._status_event = torch.cuda.Event()
+            if self._status_event is None:  # one event, recorded again by every call
+                self._status_event = torch.cuda.Event()
             self._status_event.record()
 
     def run(self, entry: str, env: dict, device) -> None:

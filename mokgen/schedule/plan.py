@@ -40,9 +40,12 @@ SMEM_RESERVE = 2048
 # The token count the cost model assumes when a decision depends on T (one build
 # serves every T; this only picks among legal choices).
 NOMINAL_TOKENS = 8192
-# A kernel's pipeline wait that lasts longer than this is a bug (a deadlock): the
-# kernel traps, and the launch fails with a CUDA error instead of hanging forever.
+# A kernel's wait that lasts longer than this is a bug (a deadlock): the thread records an
+# error code and gives up, the kernel ends, and the host raises KernelTimeout.
 WAIT_TIMEOUT_MS = 10_000
+# Once any thread has given up, the others notice within this long (a waiting thread reads
+# the error code only after waiting this long, so a healthy wait never pays for it).
+STATUS_POLL_NS = 1_000_000
 # Elements per 16-byte vector access in the SIMT kernels (bf16).
 VEC = 8
 # Routed pairs each dispatch thread ranks per step: fewer block barriers per pair.
@@ -259,25 +262,27 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # The forward's GEMM paths: "multi" (one launch per GEMM), "fused" (all in one launch,
     # the shared expert's tiles included), or "by_tokens": both built, the fused one run up to
     # FUSED_MAX_TOKENS tokens. Override fuse_gemms: true / false forces one path.
-    paths = forward_paths(spec, target, row_tile, overrides, cluster_m)
-    decisions.append(paths[1])
-    paths = paths[0]
+    paths, why = forward_paths(spec, target, row_tile, overrides, cluster_m)
+    decisions.append(why)
     fuse = paths != "multi"  # the Plan has the fused launch (and dispatch feeds it)
-    # One tile counter per grouped GEMM of the forward (the GEMMs' tile schedulers claim
-    # tiles from it); dispatch_count zeroes them, so no extra launch or memset per call.
+    # The fused launch combines too, except in a profiling build (which times the combine
+    # as its own kernel).
+    fused_combine = fuse and not (overrides or {}).get("profile")
+    # tile_counters, one place for every slot; dispatch_count zeroes them all, so no extra
+    # launch or memset per call:
+    #   one tile counter per grouped GEMM (its tile scheduler claims tiles from it);
+    #   the fused launch's number of used M tiles (written by dispatch_scatter), its count
+    #   of finished shared gate/up tiles and of finished down tiles (the combine waits);
+    #   last, the call's error code (a wait that timed out, or ids out of range; 0: none).
     gemm_names = ([] if paths == "fused" else ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])) \
         + (["gemm_fused"] if fuse else [])
-    # The fused GEMM also needs the number of used M tiles (written by dispatch_scatter), with
-    # a shared expert the count of its finished shared gate/up tiles, and (when it also
-    # combines; not in a profiling build, which times the combine as its own kernel) the
-    # count of its finished down tiles.
-    fused_combine = fuse and not (overrides or {}).get("profile")
-    used_slot = len(gemm_names)
-    shared_slot = used_slot + 1
-    done_slot = used_slot + 1 + bool(S)
-    # Last entry: the launch's error code, set by a GEMM wait that timed out (0: none).
-    status_slot = len(gemm_names) + fuse + bool(fuse and S) + fused_combine
-    n_counters = status_slot + 1
+    slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
+        + (["down_done"] if fused_combine else []) + ["status"]
+    used_slot = slots.index("used") if fuse else 0
+    shared_slot = slots.index("shared_done") if "shared_done" in slots else 0
+    done_slot = slots.index("down_done") if fused_combine else None
+    status_slot = slots.index("status")
+    n_counters = len(slots)
     buffers = [
         Buffer("tile_counters", "i32", [str(n_counters)]),
         Buffer("counts", "i32", [str(E)]),
@@ -365,7 +370,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                       valid_rows=valid_rows, sched_slot=gemm_names.index(name) if name in gemm_names else 0,
                       sched_stages=SCHED_STAGES,
                       status_slot=status_slot,
-                      gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns,
+                      gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns, status_poll_ns=STATUS_POLL_NS,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
@@ -394,8 +399,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             (["shared_gateup", "shared_down"] if S else [])
     if fuse:
         kernels.append(fused_gemm(gateup, H, I, E, used_slot, target, S, shared_slot, gemm_names.index("gemm_fused"),
-                                  done_slot if fused_combine else None, K))
-        kernels[-1].params["debug_break_dependency"] = bool((overrides or {}).get("debug_break_dependency"))
+                                  done_slot, K, bool((overrides or {}).get("debug_break_dependency"))))
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
         steps["forward_fused" if paths == "by_tokens" else "forward"] = ["dispatch_count", "dispatch_scatter",
                                                                            "gemm_fused"]
@@ -505,9 +509,9 @@ def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict 
     H, I, S = spec.hidden, spec.intermediate, spec.shared_intermediate
     tn = choose_gemm_tiling(I, H, "swiglu", target, row_tile, True, ov.get("gemm_gateup.tile_n"),
                             ov.get("gemm_gateup.epi_stages"))["tile_n"]
-    if H % (2 * tn) or I % tn or S % tn:
-        return "multi", (f"GEMM path: one launch per GEMM (the fused launch needs H a multiple of {2 * tn} and I "
-                         f"and the shared width multiples of {tn})")
+    unfit = fused_misfit(H, I, S, tn)
+    if unfit:
+        return "multi", f"GEMM path: one launch per GEMM ({unfit})"
     if cluster_m != 1 or ov.get("profile") or ov.get("dispatch_chunked"):
         return "multi", "GEMM path: one launch per GEMM (clusters, profiling and the chunked dispatch are built " \
                         "for it only)"
@@ -546,19 +550,30 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
     ]
 
 
+def fused_misfit(H: int, I: int, S: int, tile_n: int) -> str | None:
+    """Why the fused launch cannot run this layer with gate/up tiles tile_n wide (None: it can):
+    every tile kind shares that tile, a down tile being two of them side by side."""
+    if H % (2 * tile_n) or I % tile_n or S % tile_n:
+        return (f"the fused launch needs H={H} a multiple of {2 * tile_n}, and I={I} and the shared expert's "
+                f"{S} multiples of {tile_n}")
+    return None
+
+
 def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target, S: int = 0,
-               shared_slot: int = 0, sched_slot: int = 0, done_slot: int | None = None, K: int = 0) -> KernelPlan:
+               shared_slot: int = 0, sched_slot: int = 0, done_slot: int | None = None, K: int = 0,
+               debug_break_dependency: bool = False) -> KernelPlan:
     """gate/up and down as one persistent kernel, plus the shared expert's two GEMMs when
     the spec has one. A down tile (TILE_M x 2*tile_n) is two tile_n-wide halves, so all tile
     kinds share the gate/up kernel's MMA shape (two B operands, two accumulators), its
     shared-memory stages and its register budget."""
     p = gateup.params
-    if H % (2 * p["tile_n"]) or I % p["tile_n"] or S % p["tile_n"]:
-        raise PlanError(f"fuse_gemms: H={H} must be a multiple of {2 * p['tile_n']}, and I={I} and the shared "
-                        f"expert's {S} of {p['tile_n']}")
+    unfit = fused_misfit(H, I, S, p["tile_n"])
+    if unfit:
+        raise PlanError(f"fuse_gemms: {unfit}")
     params = dict(p, fused=True, name="gemm_fused", class_name="GemmFused", n2_size=H, k2_size=I,
                   n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot, s_size=S, shared_slot=shared_slot,
                   sched_slot=sched_slot, combine=done_slot is not None, done_slot=done_slot or 0, topk=K,
+                  debug_break_dependency=debug_break_dependency,
                   doc="Routed gate/up (SwiGLU) and down projections in one launch"
                       + (", with the shared expert's." if S else "."))
     args = list(gateup.args[:-1]) + [
