@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
-# Usage: bash benchmarks/gpu_session.sh [tests] [bench] [exp NAME VARIANT T,T,..] [profile VARIANT T]
+# Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [exp NAME VARIANT T,T,..] [profile VARIANT T]
+#   train: forward+backward bench (E64 at T=4096,16384) and the training demo's loss curves
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
@@ -12,6 +13,10 @@ while [ $# -gt 0 ]; do
       $B --tokens 1024,4096,16384 --json "$OUT/e64.json" 2>&1 | tail -13 | tee "$OUT/bench.log"
       $B --variant e128_k8_h2048_i768_bf16_sm90a --tokens 16384 --baselines torch_grouped_mm --json "$OUT/e128.json" 2>&1 | tail -4 | tee -a "$OUT/bench.log"
       $B --variant e256_k8_h7168_i2048_bf16_sm90a --tokens 8192 --baselines torch_grouped_mm --json "$OUT/e256.json" 2>&1 | tail -4 | tee -a "$OUT/bench.log"
+      shift ;;
+    train)
+      $B --backward --tokens 4096,16384 --json "$OUT/train-e64.json" 2>&1 | tail -8 | tee "$OUT/train.log"
+      timeout 240 python3 benchmarks/train_demo.py --steps 300 --out "$OUT/train" 2>&1 | tail -16 | tee -a "$OUT/train.log"
       shift ;;
     exp) timeout 200 python3 benchmarks/compare_experiment.py "$2" --variant "$3" --tokens "$4" \
            --json "$OUT/exp-$2-$3.json" 2>&1 | tee -a "$OUT/bench.log"; shift 4 ;;

@@ -1,7 +1,10 @@
-"""Per-kernel GPU time of one variant's forward (torch.profiler), and the idle gaps
+"""Per-kernel GPU time of one variant's entry point (torch.profiler), and the idle gaps
 between kernels on the device timeline, to see where time goes.
 
-    python benchmarks/profile_stages.py [VARIANT] [T]
+    python benchmarks/profile_stages.py [VARIANT] [T] [ENTRY]
+
+ENTRY: forward (default), forward_train, backward (the SwiGLU inputs saved by
+forward_train) or backward_recompute.
 """
 import statistics
 import sys
@@ -14,28 +17,44 @@ from mokgen.verify import make_inputs
 
 name = sys.argv[1] if len(sys.argv) > 1 else "e64_k8_h2048_i1024_bf16_sm90a"
 T = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
+entry = sys.argv[3] if len(sys.argv) > 3 else "forward"
 v = mokgen.load(name)
-x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(v.spec, T, "uniform", torch.Generator("cuda").manual_seed(0))
+gen = torch.Generator("cuda").manual_seed(0)
+x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(v.spec, T, "uniform", gen)
+dout = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
+if entry.startswith("backward"):
+    _, ga, gb = v.forward_train(x, ids, w, wg, wu, wd) if entry == "backward" else (None, None, None)
+calls = {"forward": lambda: v.forward(x, ids, w, wg, wu, wd, sg, su, sd),
+         "forward_train": lambda: v.forward_train(x, ids, w, wg, wu, wd),
+         "backward": lambda: v.backward(dout, x, ids, w, wg, wu, wd, ga, gb),
+         "backward_recompute": lambda: v.backward(dout, x, ids, w, wg, wu, wd)}
+if entry not in calls:
+    sys.exit(f"unknown entry {entry!r}; one of {', '.join(calls)}")
+if entry == "forward":
+    entry = v.forward_entry(T)
+call = calls[entry if entry in calls else "forward"]
 for _ in range(5):
-    v.forward(x, ids, w, wg, wu, wd, sg, su, sd)
+    call()
 torch.cuda.synchronize()
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(10):
-        v.forward(x, ids, w, wg, wu, wd, sg, su, sd)
+        call()
     torch.cuda.synchronize()
 
-kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
-stages = [k["name"] for k in v.plan["kernels"] if k["name"] in v.plan["steps"]["forward"]]
+# The generated kernels only (CuTe-DSL names them kernel_...; torch's allocations and fills
+# of the outputs are other kernels).
+kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                  and e.name.startswith("kernel_")), key=lambda e: e.time_range.start)
+steps = v.plan["steps"][entry]
 per_stage, gaps = {}, {}
 for i, e in enumerate(kernels):
-    stage = v.plan["steps"]["forward"][i % len(v.plan["steps"]["forward"])]
+    stage = steps[i % len(steps)]
     per_stage.setdefault(stage, []).append(e.time_range.end - e.time_range.start)
     if i:
         gaps.setdefault(stage, []).append(e.time_range.start - kernels[i - 1].time_range.end)
-print(f"{name} T={T}: device time per forward (median of 10), and the idle gap before each kernel")
+print(f"{name} T={T} {entry}: device time per call (median of 10), and the idle gap before each kernel")
 total = 0.0
-for stage in v.plan["steps"]["forward"]:
+for stage in steps:
     d = statistics.median(per_stage.get(stage, [0]))
     g = statistics.median(gaps.get(stage, [0]))
     total += d + g

@@ -3,7 +3,7 @@
     spec (MoESpec) -> stage graph (ir) -> Plan (schedule) -> CuTe-DSL source (codegen)
     -> ahead-of-time compiled kernels -> torch ops (runtime)
 
-Public API: MoESpec, load, moe, route, check_errors.
+Public API: MoESpec, load, moe (differentiable), route, check_errors, MoE (an nn.Module).
 """
 __version__ = "0.1.0"
 
@@ -40,4 +40,12 @@ def route(router_logits, topk: int, *, renormalize: bool = False, experts_spec=N
     return _route(router_logits, topk, renormalize=renormalize)
 
 
-__all__ = ["MoESpec", "SpecError", "check_errors", "load", "moe", "route", "__version__"]
+def __getattr__(name):
+    if name == "MoE":  # imports torch: only when asked for
+        from .module import MoE
+
+        return MoE
+    raise AttributeError(f"module 'mokgen' has no attribute {name!r}")
+
+
+__all__ = ["MoE", "MoESpec", "SpecError", "check_errors", "load", "moe", "route", "__version__"]

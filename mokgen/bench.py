@@ -183,6 +183,63 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
     return rows
 
 
+def bench_training(variant, tokens: list[int], log=print, routing: str = "uniform") -> list[dict]:
+    """Forward + backward through autograd (the output gradient fixed, parameter gradients
+    reset to None between calls), the generated op against torch grouped_mm with autograd.
+    FLOPs 3x the forward's (the backward does twice the forward's work; the generated
+    backward's recomputation of gate/up is not counted). The first call's gradients are
+    checked against float64 autograd of the reference (routed layers only)."""
+    from .reference import moe_reference_backward
+    from .runtime import moe
+
+    spec = variant.spec
+    rows = []
+    for T in tokens:
+        gen = torch.Generator(device="cuda").manual_seed(4321 + T)
+        x, ids, w, wg, wu, wd, _ = make_inputs(spec, T, routing, gen)
+        dout = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
+        flops = 3 * 6.0 * T * spec.topk * spec.hidden * spec.intermediate
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+        ids_long = ids.long()
+
+        def ours():
+            xr, wr, g, u, d = leaves
+            moe(xr, ids, wr, g, u, d, check_ids=False).backward(dout)
+
+        def grouped():
+            xr, wr, g, u, d = leaves
+            torch_grouped_mm(xr, ids_long, wr, torch.cat([g, u], dim=1), d, spec.intermediate).backward(dout)
+
+        ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd) if T <= 4096 else None
+        for name, fn in (("mokgen", ours), ("torch_grouped_mm", grouped)):
+            for t in leaves:
+                t.grad = None
+            fn()
+            errs = {}
+            if ref is not None:
+                errs = {k: rel_error(t.grad, ref[k]) for k, t in
+                        zip(("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"), leaves)}
+
+            def call():
+                for t in leaves:
+                    t.grad = None
+                fn()
+
+            ms = time_ms(call)
+            st = gpu_state()
+            worst = max(errs.values()) if errs else float("nan")
+            rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=worst,
+                             grad_errors=errs, routing=routing, path="forward+backward", **st))
+            log(f"  {variant.name} T={T} {name} fwd+bwd: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, worst "
+                f"gradient rel_err {worst:.2e}" + (f", {st['sm_clock_mhz']} MHz, {st['power_w']} W" if "power_w" in st
+                                                   else ""))
+        torch.cuda.empty_cache()
+    base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
+    for r in rows:
+        r["speedup_vs_grouped_mm"] = base[r["T"]] / r["ms"] if r["T"] in base else None
+    return rows
+
+
 def format_table(rows: list[dict], peak: float) -> str:
     head = (f"{'variant':34s} {'T':>6s} {'impl':17s} {'ms':>9s} {'TFLOP/s':>8s} {'x grouped':>9s} {'% peak':>7s} "
             f"{'rel_err':>8s} {'MHz':>5s} {'W':>4s} {'J/call':>7s}")
@@ -196,14 +253,15 @@ def format_table(rows: list[dict], peak: float) -> str:
     return "\n".join(lines)
 
 
-def run(variants, tokens, json_path: Path | None, baselines, log=print) -> dict:
+def run(variants, tokens, json_path: Path | None, baselines, log=print, backward: bool = False) -> dict:
+    """backward: time forward + backward (bench_training) instead of the forward."""
     if not torch.cuda.is_available():
         raise RuntimeError("mokgen bench needs a CUDA GPU")
     peak = dense_peak_tflops()
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}: dense bf16 8192^3 = {peak:.0f} TFLOP/s")
     rows = []
     for v in variants:
-        rows += bench_variant(v, tokens, baselines, log)
+        rows += bench_training(v, tokens, log) if backward else bench_variant(v, tokens, baselines, log)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dense_peak_tflops=peak, rows=rows)
     log(format_table(rows, peak))
     if json_path:
@@ -236,7 +294,7 @@ def plot(result: dict, path: Path):
         ax.axhline(result["dense_peak_tflops"], color="gray", ls="--", lw=1, label="dense bf16 GEMM (torch)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens T")
-        ax.set_ylabel("TFLOP/s (forward)")
+        ax.set_ylabel("TFLOP/s (forward)" if rows[0].get("path") != "forward+backward" else "TFLOP/s (forward+backward)")
         ax.set_title(v, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

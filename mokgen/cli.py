@@ -210,11 +210,12 @@ def profile(variant, tokens, routing, png, json_path):
 @click.option("--tokens", default="1,7,1000,4096", help="Comma-separated token counts.")
 @click.option("--routing", default="uniform,skewed", help="Comma-separated: uniform, skewed.")
 def verify(variant, tokens, routing):
-    """Golden-test a built variant on the GPU against the float64 reference."""
+    """Golden-test a built variant on the GPU against the float64 reference: the forward,
+    and every gradient of the backward where the variant has one."""
     import torch
 
     from . import load
-    from .verify import TOLERANCE, check_forward
+    from .verify import TOLERANCE, check_backward, check_forward
 
     toks = parse_tokens(tokens)
     if not torch.cuda.is_available():
@@ -225,8 +226,15 @@ def verify(variant, tokens, routing):
         for T in toks:
             res = check_forward(v, T, r.strip())
             bad += not res.ok
-            click.echo(f"{v.name} T={T:<6d} {r:8s} rel_err={res.rel_error:.3e} "
+            click.echo(f"{v.name} T={T:<6d} {r:8s} forward  rel_err={res.rel_error:.3e} "
                        f"{'unwritten rows ' if res.unwritten else ''}{'ok' if res.ok else 'FAIL'}")
+            if v.has_backward:
+                b = check_backward(v, T, r.strip())
+                bad += not b.ok
+                worst = max(b.rel_errors, key=b.rel_errors.get)
+                click.echo(f"{v.name} T={T:<6d} {r:8s} backward worst rel_err={b.rel_errors[worst]:.3e} ({worst}) "
+                           f"{'unwritten: ' + ','.join(b.unwritten) + ' ' if b.unwritten else ''}"
+                           f"{'ok' if b.ok else 'FAIL'}")
     click.echo(f"{'all passed' if not bad else f'{bad} failed'} (tolerance {TOLERANCE})")
     sys.exit(1 if bad else 0)
 
@@ -268,8 +276,11 @@ def tune(variant, prepare, tokens, out):
 @click.option("--baselines", default="torch_grouped_mm,torch_loop", help="Comma-separated baselines to run.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("bench-out/bench.json"), show_default=True)
-def bench(spec, variant_name, tokens, baselines, json_path):
-    """Time the generated forward against torch grouped_mm and the per-expert loop."""
+@click.option("--backward", is_flag=True,
+              help="Time forward + backward through autograd against torch grouped_mm with autograd.")
+def bench(spec, variant_name, tokens, baselines, json_path, backward):
+    """Time the generated forward (or, with --backward, forward + backward) against torch
+    grouped_mm and the per-expert loop."""
     import torch
 
     from . import load
@@ -279,7 +290,9 @@ def bench(spec, variant_name, tokens, baselines, json_path):
     if not torch.cuda.is_available():
         fail("bench needs a CUDA GPU", code=1)
     v = load(_resolve_variant(variant_name)) if variant_name else load(spec)
-    run([v], toks, json_path, tuple(b.strip() for b in baselines.split(",")), log=click.echo)
+    if backward and not v.has_backward:
+        fail(f"{v.name}: {v.why_no_backward()}", code=1)
+    run([v], toks, json_path, tuple(b.strip() for b in baselines.split(",")), log=click.echo, backward=backward)
 
 
 

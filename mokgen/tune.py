@@ -36,8 +36,10 @@ def candidates(spec: MoESpec) -> list[dict]:
     """The default ({}) first, then one changed decision at a time, in a fixed order."""
     plan = make_plan(spec)
     out: list[dict] = [{}]
+    forward = set(plan.steps["forward"])  # the tuner times the forward; the backward keeps its defaults
     for k in plan.kernels:
-        if k.template != "grouped_gemm_persistent.py.j2" or not k.params.get("groups", 0) > 1 or k.params.get("fused"):
+        if k.template != "grouped_gemm_persistent.py.j2" or not k.params.get("groups", 0) > 1 or k.params.get("fused") \
+                or k.name not in forward:
             continue  # the routed GEMMs only (the fused launch takes gemm_gateup's tiling)
         p = k.params
         for n in tile_n_choices(p["epilogue"], p["tile_m"]):

@@ -79,3 +79,70 @@ def check_forward(variant, tokens: int, routing: str, gen=None) -> CheckResult:
     x, ids, w, wg, wu, wd, (sg, su, sd) = inputs
     ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd)
     return CheckResult(tokens, routing, rel_error(out, ref), bool(torch.isnan(out).any()))
+
+
+GRADIENTS = ("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down")
+# Above the bf16 bound, a gradient still passes when within this factor of PyTorch's bf16 error.
+TORCH_SLACK = 1.5
+
+
+@dataclass
+class BackwardResult:
+    tokens: int
+    routing: str
+    rel_errors: dict  # gradient name -> relative error against float64 autograd
+    unwritten: list  # gradients holding NaN (an unwritten element: outputs start poisoned)
+    torch_errors: dict  # the same for PyTorch's bf16 autograd (torch grouped_mm) on the same inputs
+
+    @property
+    def failures(self) -> dict:
+        """Gradients above the bf16 bound (1e-2) that are also more than TORCH_SLACK times less
+        accurate than PyTorch's bf16 autograd on the same inputs. The second clause matters only for tiny
+        gradients: d_topk_weights of a few tokens holds a few dot products of thousands of
+        bf16 terms, whose relative error has a heavy tail (a dot near zero) for any bf16
+        implementation."""
+        return {k: e for k, e in self.rel_errors.items() if e > TOLERANCE and e > TORCH_SLACK * self.torch_errors[k]}
+
+    @property
+    def ok(self) -> bool:
+        return not self.unwritten and not self.failures
+
+
+def run_backward_poisoned(variant, inputs, dout, saved: bool = True):
+    """The generated backward with NaN-poisoned workspace and gradients. saved: the SwiGLU
+    inputs come from the training forward (else the backward recomputes them)."""
+    x, ids, w, wg, wu, wd, _ = inputs
+    variant.poison = True
+    try:
+        ga = gb = None
+        if saved:
+            _, ga, gb = variant.forward_train(x, ids, w, wg, wu, wd)
+        grads = variant.backward(dout, x, ids, w, wg, wu, wd, ga, gb)
+    finally:
+        variant.poison = False
+    torch.cuda.synchronize()
+    return dict(zip(GRADIENTS, grads))
+
+
+def check_backward(variant, tokens: int, routing: str, gen=None, saved: bool = True) -> BackwardResult:
+    """Every gradient of the generated backward against float64 autograd of the reference."""
+    from .reference import moe_reference_backward
+
+    inputs = make_inputs(variant.spec, tokens, routing, gen)
+    x, ids, w, wg, wu, wd, _ = inputs
+    dout = torch.randn(x.shape, device=x.device, generator=gen).to(x.dtype)
+    got = run_backward_poisoned(variant, inputs, dout, saved)
+    ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd)
+    return BackwardResult(tokens, routing, {k: rel_error(got[k], ref[k]) for k in GRADIENTS},
+                          [k for k in GRADIENTS if torch.isnan(got[k]).any()],
+                          {k: rel_error(v, ref[k]) for k, v in torch_backward(inputs, dout).items()})
+
+
+def torch_backward(inputs, dout) -> dict:
+    """PyTorch's bf16 autograd of the layer (torch grouped_mm, mokgen.module.experts_torch)."""
+    from .module import experts_torch
+
+    x, ids, w, wg, wu, wd, _ = inputs
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    experts_torch(leaves[0], ids, *leaves[1:]).backward(dout)
+    return dict(zip(GRADIENTS, (t.grad for t in leaves)))

@@ -56,8 +56,13 @@ def test_gemm_sass_uses_hgmma_without_local_memory(built, spec):
     tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    build = built[spec.variant] / "build"
-    for cubin in sorted(build.glob("*gemm*.cubin")) + sorted(build.glob("shared_*.cubin")):
+    import json
+
+    path = built[spec.variant]
+    plan = json.loads((path / "manifest.json").read_text())["plan"]
+    gemms = [k["name"] for k in plan["kernels"] if k["template"] == "grouped_gemm_persistent.py.j2"]
+    assert any(g.startswith("wgrad_") for g in gemms) == (not spec.shared_intermediate)  # the backward's too
+    for cubin in [path / "build" / f"{g}.cubin" for g in gemms]:
         sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
         assert "HGMMA" in sass, f"{cubin.name}: no HGMMA (off the wgmma path)"
         assert "UTMALDG" in sass, f"{cubin.name}: no TMA loads"

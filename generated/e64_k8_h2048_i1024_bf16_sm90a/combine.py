@@ -35,9 +35,8 @@ def combine_kernel(
         for k in cutlass.range_constexpr(TOPK):
             expert = ids[t, k]
             if expert >= 0 and expert < EXPERTS:
-                w = weights[t, k]
                 yk = cute.local_tile(y, (1, VEC), (pos[t, k], col)).load().to(cutlass.Float32)
-                acc.store(acc.load() + yk * w)
+                acc.store(acc.load() + yk * weights[t, k])
         cute.local_tile(out, (1, VEC), (t, col)).store(acc.load().to(cutlass.BFloat16))
 
 

@@ -32,7 +32,7 @@ TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM c
 THREADS = 1024
 WARPS = THREADS // 32
 ITEMS = 4  # pairs per thread and step of the compaction
-STATUS_SLOT = 5  # tile_counters entry for the call's error code (0: none)
+STATUS_SLOT = 12  # tile_counters entry for the call's error code (0: none)
 BAD_IDS = 1  # error code: some topk_ids were outside [0, EXPERTS)
 
 
@@ -104,7 +104,7 @@ def scatter_kernel(
         h_ready[tiles_before + i] = 0  # the fused GEMM's per-M-tile count of finished gate/up tiles
     if e == 0:
         if tidx == 0:
-            tile_counters[3] = tiles_total  # used M tiles: the fused GEMM's tile range
+            tile_counters[10] = tiles_total  # used M tiles: the fused GEMM's tile range
     # Padding rows of e's last tile: no token.
     for i in cutlass.range(my_count + tidx, my_tiles * TILE_M, THREADS, unroll=1):
         row_token[tiles_before * TILE_M + i] = -1

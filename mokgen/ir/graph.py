@@ -135,3 +135,69 @@ def forward_graph(spec: MoESpec, fused_route: bool = False) -> Graph:
               else ("out", "topk_ids", "topk_weights"))
     g.check()
     return g
+
+
+def backward_graph(spec: MoESpec) -> Graph:
+    """The backward of the routed layer (DESIGN.md section 1) as stages. It saves nothing
+    but the forward's inputs: dispatch runs again (cheap, and the same positions), and the
+    SwiGLU inputs are recomputed by one gate/up GEMM that stores both products.
+
+    send              topk_ids -> pos (rows grouped by expert, as in the forward)
+    recompute         xs -> ga = xs @ w_gate^T, gb = xs @ w_up^T
+    dgrad_down        dout rows -> g = dout[t] @ w_down[e]            (unweighted)
+    swiglu_backward   g, ga, gb -> d_topk_weights[t,k] = <g, silu(ga) * gb>,
+                      da = w g gb silu'(ga), db = w g silu(ga), hw = w silu(ga) gb
+    dgrad_gateup      da, db -> dxs = da @ w_gate[e] + db @ w_up[e]
+    reduce            dx[t] = sum_k dxs[pos[t,k]] (k ascending)
+    wgrad_*           d_w_down[e] = dout_e^T hw_e, d_w_gate[e] = da_e^T xs_e, d_w_up[e] = db_e^T xs_e
+    """
+    E, K, H, I = spec.local_experts, spec.topk, spec.hidden, spec.intermediate
+    R = T * K
+    tensors = [
+        TensorType("x", (T, H), "bf16"),
+        TensorType("topk_ids", (T, K), "i32"),
+        TensorType("topk_weights", (T, K), "f32"),
+        TensorType("w_gate", (E, I, H), "bf16"),
+        TensorType("w_up", (E, I, H), "bf16"),
+        TensorType("w_down", (E, H, I), "bf16"),
+        TensorType("dout", (T, H), "bf16"),
+        TensorType("pos", (T, K), "i32"),
+        TensorType("xs", (R, H), "bf16"),
+        TensorType("ga", (R, I), "bf16"),
+        TensorType("gb", (R, I), "bf16"),
+        TensorType("g", (R, I), "bf16"),
+        TensorType("da", (R, I), "bf16"),
+        TensorType("db", (R, I), "bf16"),
+        TensorType("hw", (R, I), "bf16"),
+        TensorType("dout_rows", (R, H), "bf16"),
+        TensorType("dxs", (R, H), "bf16"),
+        TensorType("dx", (T, H), "bf16"),
+        TensorType("d_topk_weights", (T, K), "f32"),
+        TensorType("d_w_gate", (E, I, H), "bf16"),
+        TensorType("d_w_up", (E, I, H), "bf16"),
+        TensorType("d_w_down", (E, H, I), "bf16"),
+    ]
+    inputs = ("x", "topk_ids", "topk_weights", "w_gate", "w_up", "w_down", "dout")
+    routed = {"routed": True}
+    stages = [
+        Stage("send", "send", ("x", "topk_ids"), ("xs", "pos")),
+        Stage("recompute", "gemm", ("xs", "w_gate", "w_up"), ("ga", "gb"), flops=4 * R * H * I,
+              attrs={"epilogue": "pair", **routed}),
+        Stage("dgrad_down", "gemm", ("dout", "pos", "w_down"), ("g",), flops=2 * R * H * I,
+              attrs={"epilogue": "store", **routed}),
+        Stage("swiglu_backward", "elementwise", ("g", "ga", "gb", "topk_weights", "dout", "xs"),
+              ("da", "db", "hw", "d_topk_weights", "dout_rows")),
+        Stage("dgrad_gateup", "gemm", ("da", "db", "w_gate", "w_up"), ("dxs",), flops=4 * R * H * I,
+              attrs={"epilogue": "store", **routed}),
+        Stage("reduce", "reduce", ("dxs", "pos", "topk_ids"), ("dx",), attrs={"order": "k ascending"}),
+        Stage("wgrad_down", "gemm", ("dout_rows", "hw"), ("d_w_down",), flops=2 * R * H * I,
+              attrs={"epilogue": "store", **routed}),
+        Stage("wgrad_gate", "gemm", ("da", "xs"), ("d_w_gate",), flops=2 * R * H * I,
+              attrs={"epilogue": "store", **routed}),
+        Stage("wgrad_up", "gemm", ("db", "xs"), ("d_w_up",), flops=2 * R * H * I,
+              attrs={"epilogue": "store", **routed}),
+    ]
+    g = Graph(spec, {t.name: t for t in tensors}, stages, inputs,
+              ("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"))
+    g.check()
+    return g

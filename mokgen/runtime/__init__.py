@@ -89,13 +89,17 @@ def find_variant(E, K, H, I, S) -> Variant:
 
 
 def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
-        check_ids: bool = True):
+        check_ids: bool = True, recompute: bool = False):
     """out[t] = bf16(sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) + shared(x)[t]).
 
     Checks every input before any launch. check_ids also checks the values (ids in range, x
     finite), which reads one small tensor back to the host (a synchronisation); it is skipped
     during CUDA graph capture. Unchecked out-of-range ids contribute nothing and are reported
     by the device: mokgen.check_errors() or the next call raises InputError.
+
+    Differentiable in x, topk_weights and the weights. Under autograd it saves the inputs and
+    the SwiGLU inputs x @ w_gate^T, x @ w_up^T (2 x ~T*K x I bf16); recompute=True saves the
+    inputs only and the backward recomputes the rest (one more gate/up GEMM).
     """
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
@@ -108,6 +112,9 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
         raise
     if check_ids:
         check_ids_in_range(topk_ids, E, x)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down))
+    if training and not recompute and ws_gate is None and v.has_backward:
+        return v.ops.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down)[0]
     return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
 

@@ -104,9 +104,20 @@ class Variant:
     # NaN (floats) or -1 (ints) so that a read of anything not written shows up.
     poison = False
 
-    def _workspace(self, tokens: int, device) -> dict:
+    @functools.lru_cache(maxsize=16)
+    def entry_buffers(self, entry: str) -> frozenset:
+        """The workspace buffers an entry point's kernels use (only those are allocated)."""
+        return frozenset(a["tensor"] for name in self.plan["steps"][entry] for a in self.kernels[name]["args"])
+
+    # Buffers the caller binds itself in some entry points (the saved SwiGLU inputs).
+    CALLER_BOUND = {"forward_train": ("ga", "gb"), "backward": ("ga", "gb")}
+
+    def _workspace(self, tokens: int, device, entry: str) -> dict:
         ws = {}
+        used = self.entry_buffers(entry).difference(self.CALLER_BOUND.get(entry, ()))
         for name, dt, shape, init in self.buffer_shapes(tokens):
+            if name not in used:
+                continue
             if init == "zeros":
                 ws[name] = torch.zeros(shape, dtype=dt, device=device)
             elif self.poison:
@@ -170,16 +181,83 @@ class Variant:
             return out
         self._check_status(wait=False)  # an error of an earlier, finished call surfaces here
         with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device)
+            entry = self.forward_entry(tokens)
+            env = self._workspace(tokens, x.device, entry)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up,
                        w_down=w_down, out=out)
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
-            self.run(self.forward_entry(tokens), env, x.device)
+            self.run(entry, env, x.device)
             self._record_status(env)
             if self.profiling:
                 self.last_records = {n[len("prof_"):]: env[n] for n in env if n.startswith("prof_")}
         return out
+
+    @property
+    def has_backward(self) -> bool:
+        return "backward" in self.plan["steps"]
+
+    def saved_rows(self, tokens):
+        """Rows of the saved SwiGLU inputs (dispatch's padded layout) for `tokens` tokens; integer
+        arithmetic only, so it also works on torch.compile's symbolic sizes."""
+        rt, c = self.plan["row_tile"], int(self.plan["overrides"].get("cluster_m", 1))
+        K, E = self.spec.topk, self.spec.local_experts
+        return (c * ((tokens * K + c * rt - 1) // (c * rt)) + c * E) * rt
+
+    def forward_train(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
+        """(out, ga, gb): the forward of autograd, which also returns the SwiGLU inputs
+        ga = x @ w_gate^T and gb = x @ w_up^T in dispatch's row order (for backward)."""
+        tokens = x.shape[0]
+        out = torch.empty_like(x)
+        rows, I = self.saved_rows(tokens), self.spec.intermediate
+        ga, gb = (x.new_empty(rows, I) for _ in range(2))
+        if tokens == 0:
+            return out, ga, gb
+        self._check_status(wait=False)
+        with torch.cuda.device(x.device):
+            env = self._workspace(tokens, x.device, "forward_train")
+            env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                       out=out, ga=ga, gb=gb)
+            self.run("forward_train", env, x.device)
+            self._record_status(env)
+        return out, ga, gb
+
+    def backward(self, dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ga=None, gb=None):
+        """(dx, d_topk_weights, d_w_gate, d_w_up, d_w_down) of the routed layer for the
+        output gradient dout (DESIGN.md section 1). ga, gb: the SwiGLU inputs forward_train
+        saved; without them the backward recomputes them. Pairs whose id is out of range get
+        d_topk_weights 0 and contribute nothing."""
+        if not self.has_backward:
+            raise NotImplementedError(f"{self.name}: the backward is not generated for this layer "
+                                      f"({self.why_no_backward()})")
+        tokens = x.shape[0]
+        # Every element of dx and of the weight gradients is written (an expert without tokens
+        # gets zeros); d_topk_weights starts at zero for pairs whose id is out of range. The
+        # golden tests' poison mode starts all of them at NaN instead (their ids are valid).
+        if self.poison:
+            dx, d_weights = torch.full_like(x, float("nan")), torch.full_like(topk_weights, float("nan"))
+            d_w = [torch.full_like(w, float("nan")) for w in (w_gate, w_up, w_down)]
+        else:
+            dx, d_weights = torch.empty_like(x), torch.zeros_like(topk_weights, dtype=torch.float32)
+            d_w = [torch.empty_like(w) for w in (w_gate, w_up, w_down)]
+        if tokens == 0:
+            for d in d_w:
+                d.zero_()
+            return dx, d_weights, *d_w
+        self._check_status(wait=False)
+        entry = "backward" if ga is not None else "backward_recompute"
+        with torch.cuda.device(x.device):
+            env = self._workspace(tokens, x.device, entry)
+            env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                       dout=dout, dx=dx, d_topk_weights=d_weights, d_w_gate=d_w[0], d_w_up=d_w[1], d_w_down=d_w[2])
+            if ga is not None:
+                env.update(ga=ga, gb=gb)
+            self.run(entry, env, x.device)
+            self._record_status(env)
+        return dx, d_weights, *d_w
+
+    def why_no_backward(self) -> str:
+        return next((d for d in self.plan.get("decisions", []) if d.startswith("backward:")), "no backward in the Plan")
 
     def route(self, logits):
         tokens = logits.shape[0]
@@ -196,8 +274,9 @@ _OPS: dict[str, object] = {}
 
 
 def _register_ops(v: Variant):
-    """torch.library custom ops `mokgen::<variant>_forward` and `mokgen::<variant>_route`,
-    with fake (meta) implementations for torch.compile. Registered once per process."""
+    """torch.library custom ops `mokgen::<variant>_forward` (differentiable: its autograd
+    formula is the `_backward` op), `_backward` and `_route`, with fake (meta)
+    implementations for torch.compile. Registered once per process."""
     if v.name in _OPS:
         ops = _OPS[v.name]
         ops.variant = v
@@ -217,10 +296,56 @@ def _register_ops(v: Variant):
     def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
         return torch.empty_like(x)
 
-    def _no_backward(ctx, grad):
-        raise NotImplementedError("mokgen generates the forward layer only so far; the backward is not built yet")
+    @torch.library.custom_op(f"mokgen::{v.name}_backward", mutates_args=())
+    def backward(dout: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
+                 w_down: Tensor, ga: Optional[Tensor] = None,
+                 gb: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return Ops.variant.backward(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ga, gb)
 
-    forward.register_autograd(_no_backward)
+    @backward.register_fake
+    def _(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ga=None, gb=None):
+        return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
+                torch.empty_like(w_down))
+
+    # The inference forward's autograd formula (mokgen.moe(..., recompute=True)): only the
+    # inputs are saved; the backward dispatches again and recomputes the SwiGLU inputs.
+    def setup_context(ctx, inputs, output):
+        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = inputs
+        ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+        ctx.shared = ws_gate is not None
+
+    def autograd_backward(ctx, grad):
+        if ctx.shared:
+            raise NotImplementedError(f"{Ops.variant.name}: the backward of a layer with a shared expert is not "
+                                      "generated yet")
+        x, topk_ids, topk_weights, w_gate, w_up, w_down = ctx.saved_tensors
+        dx, dw, dg, du, dd = backward(grad.contiguous(), x, topk_ids, topk_weights, w_gate, w_up, w_down)
+        return dx, None, dw, dg, du, dd, None, None, None
+
+    forward.register_autograd(autograd_backward, setup_context=setup_context)
+
+    # The training forward (mokgen.moe's default under autograd): it also returns the SwiGLU
+    # inputs, which autograd saves for the backward (2 x rows x I bf16, rows ~ T*K).
+    @torch.library.custom_op(f"mokgen::{v.name}_forward_train", mutates_args=())
+    def forward_train(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
+                      w_down: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return Ops.variant.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+
+    @forward_train.register_fake
+    def _(x, topk_ids, topk_weights, w_gate, w_up, w_down):
+        rows = Ops.variant.saved_rows(x.shape[0])
+        return torch.empty_like(x), x.new_empty(rows, w_gate.shape[1]), x.new_empty(rows, w_gate.shape[1])
+
+    def setup_context_train(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, output[1], output[2])
+        ctx.mark_non_differentiable(output[1], output[2])
+
+    def autograd_backward_train(ctx, grad, _ga_grad, _gb_grad):
+        x, topk_ids, topk_weights, w_gate, w_up, w_down, ga, gb = ctx.saved_tensors
+        dx, dw, dg, du, dd = backward(grad.contiguous(), x, topk_ids, topk_weights, w_gate, w_up, w_down, ga, gb)
+        return dx, None, dw, dg, du, dd
+
+    forward_train.register_autograd(autograd_backward_train, setup_context=setup_context_train)
 
     @torch.library.custom_op(f"mokgen::{v.name}_route", mutates_args=())
     def route(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -233,6 +358,8 @@ def _register_ops(v: Variant):
                 logits.new_empty(logits.shape[0], K, dtype=torch.float32))
 
     Ops.forward = forward
+    Ops.forward_train = forward_train
+    Ops.backward = backward
     Ops.route = route
     _OPS[v.name] = Ops
     return Ops

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from .. import __version__
-from ..ir import Graph, MoESpec, forward_graph
+from ..ir import Graph, MoESpec, backward_graph, forward_graph
 from ..ir.graph import T
 from .target import Target, target_for
 from .taskgraph import forward_task_graph, gemm_model_params
@@ -172,7 +172,7 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, 
     mma_warpgroups = tile_m // WGMMA_ROWS
     consumer_threads = mma_warpgroups * WARPGROUP_THREADS
     threads = consumer_threads + WARPGROUP_THREADS  # + the producer warpgroup
-    num_b = 2 if epilogue == "swiglu" else 1
+    num_b = 2 if epilogue in ("swiglu", "swiglu_save", "pair") else 1
     acc_budget = 128 * consumer_threads  # fp32 accumulators the CTA may hold
     candidates = [n for n in (256, 128, 64) if tile_m * n * num_b <= acc_budget]
     if tile_n is None:
@@ -274,8 +274,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     #   the fused launch's number of used M tiles (written by dispatch_scatter), its count
     #   of finished shared gate/up tiles and of finished down tiles (the combine waits);
     #   last, the call's error code (a wait that timed out, or ids out of range; 0: none).
+    backward, why = backward_support(spec, overrides or {}, paths)
+    decisions.append(why)
     gemm_names = ([] if paths == "fused" else ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])) \
-        + (["gemm_fused"] if fuse else [])
+        + (["gemm_fused"] if fuse else []) + (BACKWARD_GEMMS if backward else [])
     slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
         + (["down_done"] if fused_combine else []) + ["status"]
     used_slot = slots.index("used") if fuse else 0
@@ -333,22 +335,37 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                          "compaction keeps (token, slot) order, so positions are deterministic")
 
     def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc, gather_a=False,
-             routed=True):
-        tl = choose_gemm_tiling(n, k, epilogue, target, row_tile, gather_a,
+             routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True):
+        """One grouped GEMM. The backward's modes (templates/grouped_gemm_persistent.py.j2):
+        epilogue "pair" (c = (c0, c1), both products stored), b_major "mn" (B stored
+        [groups, K, N]), split_k (a = (a0, a1) and b = (b0, b1) along K), wgrad_m (weight
+        gradients [groups, wgrad_m, n] contracted over each group's rows; k is unused)."""
+        tile_m = 128 if wgrad_m else row_tile  # a weight-gradient tile runs over H or I, not rows
+        tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a,
                                 (overrides or {}).get(f"{name}.tile_n"), (overrides or {}).get(f"{name}.epi_stages"))
-        if gather_a:  # A rows gathered from the token rows through row_token
-            args = [KernelArg("a", a, "bf16", ["T", k]), KernelArg("row_token", "row_token", "i32", [m_sym])]
+        cs = c if isinstance(c, tuple) else (c,)
+        if wgrad_m:  # A [rows, wgrad_m], B [rows, n]; counts give each group's rows
+            args = [KernelArg("a", a, "bf16", [m_sym, wgrad_m]), KernelArg("b0", b[0], "bf16", [m_sym, n]),
+                    KernelArg("tile_expert", "counts", "i32", [groups]),
+                    KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
+                    KernelArg("c", cs[0], "bf16", [groups, wgrad_m, n])]
         else:
-            args = [KernelArg("a", a, "bf16", [m_sym, k])]
-            if routed:
-                args.append(KernelArg("row_token", "row_token", "i32", [m_sym]))
-        bshape = [groups, n, k]
-        args.append(KernelArg("b0", b[0], "bf16", bshape))
-        if epilogue == "swiglu":
-            args.append(KernelArg("b1", b[1], "bf16", bshape))
-        args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
-                 KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
-                 KernelArg("c", c, "bf16", [m_sym, n])]
+            a_k = k // 2 if split_k else k
+            if gather_a:  # A rows gathered from the token rows through row_token
+                args = [KernelArg("a", a, "bf16", ["T", k]), KernelArg("row_token", "row_token", "i32", [m_sym])]
+            else:
+                args = [KernelArg("a", a[0] if split_k else a, "bf16", [m_sym, a_k])]
+                if split_k:
+                    args.append(KernelArg("a1", a[1], "bf16", [m_sym, a_k]))
+                if routed:
+                    args.append(KernelArg("row_token", "row_token", "i32", [m_sym]))
+            bshape = [groups, n, a_k] if b_major == "k" else [groups, a_k, n]
+            args.append(KernelArg("b0", b[0], "bf16", bshape))
+            if epilogue in ("swiglu", "swiglu_save", "pair") or split_k:
+                args.append(KernelArg("b1", b[1], "bf16", bshape))
+            args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
+                     KernelArg("tile_counter", "tile_counters", "i32", [n_counters])]
+            args += [KernelArg(f"c{i + 1 if i else ''}", t, "bf16", [m_sym, n]) for i, t in enumerate(cs)]
         raster = (overrides or {}).get(f"{name}.raster", "m")
         # Gathered A stages a producer warp keeps in flight before releasing the oldest.
         # The consumers release a stage only after the next one is full (one wgmma batch
@@ -363,14 +380,17 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         # Which rows of an M tile hold tokens. A consumer warpgroup whose whole slice is
         # padding skips its wgmma (the tensor cores then serve the other one alone): the
         # routed GEMMs read it from row_token (-1 marks padding), the shared expert's
-        # tiles are full up to the last one, whose rows end at T.
-        valid_rows = "row_token" if routed else "m_rows"
+        # tiles are full up to the last one, whose rows end at T. A weight-gradient tile
+        # contracts its group's rows (counts) and is never part padding.
+        valid_rows = "counts" if wgrad_m else "row_token" if routed else "m_rows"
         params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster,
-                      cluster_m=cluster_m if routed else 1,
+                      cluster_m=cluster_m if routed and clustered else 1,
                       valid_rows=valid_rows, sched_slot=gemm_names.index(name) if name in gemm_names else 0,
                       sched_stages=SCHED_STAGES,
                       status_slot=status_slot,
                       gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns, status_poll_ns=STATUS_POLL_NS,
+                      b_major=b_major, split_k=split_k, wgrad=bool(wgrad_m), m_size=wgrad_m,
+                      row_align=row_tile * cluster_m,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
@@ -449,6 +469,20 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             "t = CTA, CTA + grid, ... with the combine's fixed k order (the same bits as the combine kernel)")
     forward = steps["forward"]
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
+
+    if backward:
+        kernels += backward_kernels(gemm, spec, target, row_tile, buffers, steps, decisions, _expr(rows))
+        # The training forward: the per-GEMM path, its gate/up GEMM also storing the SwiGLU
+        # inputs (ga, gb) for the backward, which then skips its recomputation.
+        kernels.append(gemm("gemm_gateup_train", "gemm_gateup", "x", ("w_gate", "w_up"), ("h", "ga", "gb"), I, H,
+                            "swiglu_save", "tile_expert", "M", "MT", E,
+                            "Routed gate/up projection with the SwiGLU epilogue, storing the SwiGLU inputs too "
+                            "(the training forward).", gather_a=True))
+        steps["forward_train"] = ["dispatch_count", "dispatch_scatter", "gemm_gateup_train", "gemm_down", "combine"]
+        decisions.append("forward_train (autograd's forward): the per-GEMM path with gemm_gateup_train, which also "
+                         "stores x @ w_gate^T and x @ w_up^T (bf16, the bits bwd_recompute would compute: same tile "
+                         "and K order); the backward then reads them (steps backward) instead of recomputing them "
+                         "(steps backward_recompute, for callers that save memory)")
 
     profile = bool((overrides or {}).get("profile"))
     for k in kernels:  # every template reads the flag; only the forward's kernels record
@@ -637,7 +671,9 @@ def check_overrides(overrides: dict) -> None:
 
 
 def check_plan(plan: Plan, graph: Graph) -> None:
-    """Invariants every Plan keeps (also asserted by the tests)."""
+    """Invariants every Plan keeps (also asserted by the tests). Kernels bind workspace
+    buffers or tensors of the forward graph (given) or of the backward graph."""
+    known = set(graph.tensors) | set(backward_graph(graph.spec).tensors)
     names = [k.name for k in plan.kernels]
     if len(set(names)) != len(names):
         raise PlanError("duplicate kernel names")
@@ -646,7 +682,7 @@ def check_plan(plan: Plan, graph: Graph) -> None:
         for s in steps:
             k = plan.kernel(s)
             for a in k.args:
-                if a.tensor not in buffers and a.tensor not in graph.tensors and a.tensor != "logits":
+                if a.tensor not in buffers and a.tensor not in known and a.tensor != "logits":
                     raise PlanError(f"kernel {k.name} binds {a.name} to unknown tensor {a.tensor}")
                 if sum(1 for d in a.shape if isinstance(d, str)) > 1:
                     raise PlanError(f"kernel {k.name} arg {a.name}: at most one symbolic dimension")
@@ -655,3 +691,81 @@ def check_plan(plan: Plan, graph: Graph) -> None:
             raise PlanError(f"kernel {k.name}: block of {k.block} threads")
         if k.smem_bytes > plan.target["smem_per_block"]:
             raise PlanError(f"kernel {k.name}: {k.smem_bytes} B of shared memory")
+
+
+# The backward's grouped GEMMs, in launch order (each has a tile-counter slot).
+BACKWARD_GEMMS = ["bwd_recompute", "bwd_dgrad_down", "bwd_dgrad_gateup", "wgrad_down", "wgrad_gate", "wgrad_up",
+                  "gemm_gateup_train"]
+# Rows (token, slot pairs) per CTA of the SwiGLU backward: one warp each.
+SWIGLU_BWD_WARPS = 8
+
+
+def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, str]:
+    """(whether the Plan has the backward entry points, why)."""
+    if spec.shared_intermediate:
+        return False, "backward: not generated for a shared expert yet (forward only)"
+    if overrides.get("profile"):
+        return False, "backward: not in a profiling build (it times the forward)"
+    if paths == "fused":
+        return False, "backward: not with fuse_gemms: true (the training forward runs the per-GEMM path)"
+    return True, ("backward: generated; autograd saves the forward's inputs and the SwiGLU inputs (x @ w_gate^T, "
+                  "x @ w_up^T in dispatch order), or, with recompute, the inputs only (dispatch runs again either "
+                  "way, and the SwiGLU inputs are then recomputed by one gate/up GEMM)")
+
+
+def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers: list, steps: dict,
+                     decisions: list, rows: str) -> list:
+    """The backward's kernels (backward_graph's stages) and its step list steps["backward"]:
+    dispatch again, recompute gate/up, dgrad of down, SwiGLU backward, dgrad of gate/up,
+    the unweighted reverse combine, then the three weight gradients."""
+    E, K, H, I = spec.local_experts, spec.topk, spec.hidden, spec.intermediate
+    buffers += [Buffer(n, "bf16", [rows, str(I)]) for n in ("ga", "gb", "g", "da", "db", "hw")]
+    buffers += [Buffer(n, "bf16", [rows, str(H)]) for n in ("dout_rows", "xs", "dxs")]
+    ks = [
+        gemm("bwd_recompute", "recompute", "x", ("w_gate", "w_up"), ("ga", "gb"), I, H, "pair",
+             "tile_expert", "M", "MT", E, "Backward: the SwiGLU inputs recomputed, both products stored.",
+             gather_a=True, clustered=False),
+        gemm("bwd_dgrad_down", "dgrad_down", "dout", ("w_down",), "g", I, H, "store", "tile_expert", "M", "MT", E,
+             "Backward: the down projection's input gradient (unweighted), dout rows gathered.",
+             gather_a=True, b_major="mn", clustered=False),
+        gemm("bwd_dgrad_gateup", "dgrad_gateup", ("da", "db"), ("w_gate", "w_up"), "dxs", H, 2 * I, "store",
+             "tile_expert", "M", "MT", E, "Backward: the gate/up projections' input gradient.",
+             b_major="mn", split_k=True, clustered=False),
+    ]
+    for name, stage, a, b, c, m, n in (("wgrad_down", "wgrad_down", "dout_rows", "hw", "d_w_down", H, I),
+                                       ("wgrad_gate", "wgrad_gate", "da", "xs", "d_w_gate", I, H),
+                                       ("wgrad_up", "wgrad_up", "db", "xs", "d_w_up", I, H)):
+        ks.append(gemm(name, stage, a, (b,), c, n, 64, "store", "counts", "M", f"{E}*ceil({m}/128)", E,
+                       f"Backward: the weight gradient {c}, one expert's rows contracted per tile.", wgrad_m=m,
+                       clustered=False))
+    threads = SWIGLU_BWD_WARPS * 32
+    ks.insert(2, KernelPlan(
+        "bwd_swiglu", "swiglu_backward", "swiglu_backward", "swiglu_backward.py.j2", "main",
+        dict(topk=K, experts=E, hidden=H, intermediate=I, threads=threads, vec=VEC, tile_m=row_tile),
+        [KernelArg("row_token", "row_token", "i32", ["M"]), KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+         KernelArg("pos", "pos", "i32", ["T", K]),
+         KernelArg("weights", "topk_weights", "f32", ["T", K]), KernelArg("g", "g", "bf16", ["M", I]),
+         KernelArg("ga", "ga", "bf16", ["M", I]), KernelArg("gb", "gb", "bf16", ["M", I]),
+         KernelArg("dout", "dout", "bf16", ["T", H]), KernelArg("x", "x", "bf16", ["T", H]),
+         KernelArg("da", "da", "bf16", ["M", I]), KernelArg("db", "db", "bf16", ["M", I]),
+         KernelArg("hw", "hw", "bf16", ["M", I]), KernelArg("dout_rows", "dout_rows", "bf16", ["M", H]),
+         KernelArg("xs", "xs", "bf16", ["M", H]), KernelArg("d_weights", "d_topk_weights", "f32", ["T", K])],
+        grid=f"(ceil(M/{SWIGLU_BWD_WARPS}),)", block=threads,
+        warp_roles=["every warp: one row (token, slot pair) at a time; padding rows get zeros"]))
+    combine_threads = simt_threads(H, target)
+    ks.insert(4, KernelPlan(
+        "bwd_combine", "reduce", "bwd_combine", "combine.py.j2", "main",
+        dict(experts=E, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=False, weighted=False),
+        [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("pos", "pos", "i32", ["T", K]),
+         KernelArg("y", "dxs", "bf16", ["M", H]), KernelArg("out", "dx", "bf16", ["T", H])],
+        grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
+    steps["backward_recompute"] = ["dispatch_count", "dispatch_scatter"] + [k.name for k in ks]
+    steps["backward"] = [s for s in steps["backward_recompute"] if s != "bwd_recompute"]
+    decisions.append(
+        "backward: dispatch again (the forward's positions, deterministic); bwd_recompute stores x @ w_gate^T and "
+        "x @ w_up^T; bwd_dgrad_down gathers dout rows against w_down read MN-major (no transposed copy); "
+        "bwd_swiglu (one warp per row, fixed shuffle order) writes d_topk_weights = <g, h>, da, db, hw = w h and the "
+        "dout and x rows in dispatch order (zeros on padding rows, which the weight gradients then contract); "
+        "bwd_dgrad_gateup runs K over da|db against w_gate|w_up; bwd_combine sums dx over k in order; wgrad_* "
+        "contract each expert's rows in order in one CTA per output tile: every gradient is bitwise deterministic")
+    return ks

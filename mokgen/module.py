@@ -1,0 +1,121 @@
+"""`mokgen.MoE`: a drop-in MoE block (router + routed SwiGLU experts [+ shared expert])
+whose expert part runs through the generated kernels, forward and backward.
+
+The router is an fp32 linear layer; softmax, top-k and the optional renormalisation run in
+PyTorch, so the router's weight gets its gradient through d_topk_weights (which the
+generated backward returns). `reference=True` builds the same block on plain PyTorch ops
+(torch grouped_mm), for comparisons and for machines without a GPU build.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def route_torch(logits: torch.Tensor, topk: int, renormalize: bool):
+    """(topk_ids int32, topk_weights fp32) from fp32 router logits, differentiable in the weights."""
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = torch.topk(probs, topk, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+def experts_torch(x, ids, weights, w_gate, w_up, w_down, shared=None):
+    """The layer (DESIGN.md section 1) on PyTorch ops with autograd: tokens sorted by expert,
+    torch._grouped_mm for gate/up and down, a weighted index_add combine."""
+    T, H = x.shape
+    E, K, I = w_gate.shape[0], ids.shape[1], w_gate.shape[1]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    tok = order // K
+    h13 = torch._grouped_mm(x[tok], torch.cat([w_gate, w_up], dim=1).transpose(1, 2), offs=offs)
+    h = F.silu(h13[:, :I]) * h13[:, I:]
+    y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
+    out = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    out = out.index_add(0, tok, y.float() * weights.reshape(-1)[order, None])
+    if shared is not None:
+        sg, su, sd = shared
+        out = out + ((F.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()).float()
+    return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Router + `experts` SwiGLU experts (top-`topk` per token) + an optional shared expert.
+
+    Input [..., hidden] bf16, output the same shape. Parameters: router.weight [E, H] fp32,
+    w_gate, w_up [E, I, H], w_down [E, H, I] bf16 (+ ws_gate, ws_up [S, H], ws_down [H, S]).
+    Under autograd it saves the SwiGLU inputs (2 x ~T*K x I bf16) unless recompute=True.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, topk: int, shared_intermediate: int = 0,
+                 renormalize: bool = False, device=None, reference: bool = False, recompute: bool = False):
+        super().__init__()
+        from .ir import MoESpec
+
+        # Validates the sizes with the spec's messages before any allocation.
+        self.spec = MoESpec(experts=experts, topk=topk, hidden=hidden, intermediate=intermediate,
+                            shared_intermediate=shared_intermediate, renormalize=renormalize)
+        self.reference = reference
+        self.recompute = recompute  # save only the inputs; the backward recomputes the SwiGLU inputs
+        bf16 = dict(device=device, dtype=torch.bfloat16)
+        self.router = nn.Linear(hidden, experts, bias=False, device=device, dtype=torch.float32)
+        self.w_gate = nn.Parameter(torch.empty(experts, intermediate, hidden, **bf16))
+        self.w_up = nn.Parameter(torch.empty(experts, intermediate, hidden, **bf16))
+        self.w_down = nn.Parameter(torch.empty(experts, hidden, intermediate, **bf16))
+        if shared_intermediate:
+            self.ws_gate = nn.Parameter(torch.empty(shared_intermediate, hidden, **bf16))
+            self.ws_up = nn.Parameter(torch.empty(shared_intermediate, hidden, **bf16))
+            self.ws_down = nn.Parameter(torch.empty(hidden, shared_intermediate, **bf16))
+        else:
+            self.ws_gate = self.ws_up = self.ws_down = None
+        self.reset_parameters()
+        # The generated ops, found (or built) once: a module on a GPU resolves them now, so
+        # that torch.compile traces a plain custom-op call; elsewhere at the first forward.
+        self._ops = None
+        if not reference and self.w_gate.is_cuda:
+            self._resolve()
+
+    def _resolve(self):
+        from .runtime import find_variant
+
+        s = self.spec  # renormalisation happens in the router (torch): any build of these sizes serves
+        self._ops = find_variant(s.experts, s.topk, s.hidden, s.intermediate, s.shared_intermediate).ops
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        H, I, S = self.spec.hidden, self.spec.intermediate, self.spec.shared_intermediate
+        nn.init.normal_(self.router.weight, std=1 / math.sqrt(H))
+        for p, fan_in in ((self.w_gate, H), (self.w_up, H), (self.w_down, I), (self.ws_gate, H), (self.ws_up, H),
+                          (self.ws_down, S)):
+            if p is not None:
+                p.normal_(std=1 / math.sqrt(fan_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        ids, weights = route_torch(self.router(x2.float()), self.spec.topk, self.spec.renormalize)
+        shared = (self.ws_gate, self.ws_up, self.ws_down) if self.ws_gate is not None else None
+        if self.reference:
+            out = experts_torch(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared)
+        else:
+            if self._ops is None:
+                self._resolve()
+            # The ids come from topk over E experts: always in range, no check needed; the
+            # shapes and dtypes are the module's own.
+            args = (x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down)
+            if torch.is_grad_enabled() and not self.recompute and shared is None:
+                out = self._ops.forward_train(*args)[0]  # saves the SwiGLU inputs for the backward
+            else:
+                out = self._ops.forward(*args, *(shared or (None, None, None)))
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"hidden={s.hidden}, intermediate={s.intermediate}, experts={s.experts}, topk={s.topk}, "
+                f"shared_intermediate={s.shared_intermediate}, renormalize={s.renormalize}, "
+                f"{'torch reference' if self.reference else 'generated kernels'}")
