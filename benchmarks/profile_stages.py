@@ -22,12 +22,11 @@ v = mokgen.load(name)
 gen = torch.Generator("cuda").manual_seed(0)
 x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(v.spec, T, "uniform", gen)
 dout = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
-if entry.startswith("backward"):
-    _, ga, gb = v.forward_train(x, ids, w, wg, wu, wd) if entry == "backward" else (None, None, None)
+saved = v.forward_train(x, ids, w, wg, wu, wd, sg, su, sd)[1:] if entry == "backward" else None
 calls = {"forward": lambda: v.forward(x, ids, w, wg, wu, wd, sg, su, sd),
-         "forward_train": lambda: v.forward_train(x, ids, w, wg, wu, wd),
-         "backward": lambda: v.backward(dout, x, ids, w, wg, wu, wd, ga, gb),
-         "backward_recompute": lambda: v.backward(dout, x, ids, w, wg, wu, wd)}
+         "forward_train": lambda: v.forward_train(x, ids, w, wg, wu, wd, sg, su, sd),
+         "backward": lambda: v.backward(dout, x, ids, w, wg, wu, wd, sg, su, sd, saved=saved),
+         "backward_recompute": lambda: v.backward(dout, x, ids, w, wg, wu, wd, sg, su, sd)}
 if entry not in calls:
     sys.exit(f"unknown entry {entry!r}; one of {', '.join(calls)}")
 if entry == "forward":

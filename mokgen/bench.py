@@ -185,40 +185,41 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
 
 def bench_training(variant, tokens: list[int], log=print, routing: str = "uniform") -> list[dict]:
     """Forward + backward through autograd (the output gradient fixed, parameter gradients
-    reset to None between calls), the generated op against torch grouped_mm with autograd.
-    FLOPs 3x the forward's (the backward does twice the forward's work; the generated
-    backward's recomputation of gate/up is not counted). The first call's gradients are
-    checked against float64 autograd of the reference (routed layers only)."""
+    reset to None between calls), the generated op against torch grouped_mm with autograd
+    (a shared expert as dense bf16 matmuls). FLOPs 3x the forward's (the backward does twice
+    the forward's work). The first call's gradients are checked against float64 autograd of
+    the reference."""
+    from .module import experts_torch
     from .reference import moe_reference_backward
     from .runtime import moe
+    from .verify import GRADIENTS, SHARED_GRADIENTS
 
     spec = variant.spec
     rows = []
     for T in tokens:
         gen = torch.Generator(device="cuda").manual_seed(4321 + T)
-        x, ids, w, wg, wu, wd, _ = make_inputs(spec, T, routing, gen)
+        x, ids, w, wg, wu, wd, shared = make_inputs(spec, T, routing, gen)
+        shared = shared if shared[0] is not None else ()
         dout = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
-        flops = 3 * 6.0 * T * spec.topk * spec.hidden * spec.intermediate
-        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
-        ids_long = ids.long()
+        flops = 3 * 6.0 * T * (spec.topk * spec.hidden * spec.intermediate + spec.hidden * spec.shared_intermediate)
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd) + shared]
 
         def ours():
-            xr, wr, g, u, d = leaves
-            moe(xr, ids, wr, g, u, d, check_ids=False).backward(dout)
+            xr, wr, g, u, d, *s = leaves
+            moe(xr, ids, wr, g, u, d, **dict(zip(("ws_gate", "ws_up", "ws_down"), s)), check_ids=False).backward(dout)
 
         def grouped():
-            xr, wr, g, u, d = leaves
-            torch_grouped_mm(xr, ids_long, wr, torch.cat([g, u], dim=1), d, spec.intermediate).backward(dout)
+            xr, wr, g, u, d, *s = leaves
+            experts_torch(xr, ids, wr, g, u, d, shared=s or None).backward(dout)
 
-        ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd) if T <= 4096 else None
+        ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd, *shared) if T <= 4096 else None
         for name, fn in (("mokgen", ours), ("torch_grouped_mm", grouped)):
             for t in leaves:
                 t.grad = None
             fn()
             errs = {}
             if ref is not None:
-                errs = {k: rel_error(t.grad, ref[k]) for k, t in
-                        zip(("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"), leaves)}
+                errs = {k: rel_error(t.grad, ref[k]) for k, t in zip(GRADIENTS + SHARED_GRADIENTS, leaves)}
 
             def call():
                 for t in leaves:

@@ -49,7 +49,7 @@ class MoE(nn.Module):
 
     Input [..., hidden] bf16, output the same shape. Parameters: router.weight [E, H] fp32,
     w_gate, w_up [E, I, H], w_down [E, H, I] bf16 (+ ws_gate, ws_up [S, H], ws_down [H, S]).
-    Under autograd it saves the SwiGLU inputs (2 x ~T*K x I bf16) unless recompute=True.
+    Under autograd it saves the SwiGLU inputs (2 x ~T*K x I bf16, + 2 x T x S) unless recompute=True.
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int, shared_intermediate: int = 0,
@@ -107,11 +107,12 @@ class MoE(nn.Module):
                 self._resolve()
             # The ids come from topk over E experts: always in range, no check needed; the
             # shapes and dtypes are the module's own.
-            args = (x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down)
-            if torch.is_grad_enabled() and not self.recompute and shared is None:
+            args = (x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down,
+                    *(shared or (None, None, None)))
+            if torch.is_grad_enabled() and not self.recompute:
                 out = self._ops.forward_train(*args)[0]  # saves the SwiGLU inputs for the backward
             else:
-                out = self._ops.forward(*args, *(shared or (None, None, None)))
+                out = self._ops.forward(*args)
         return out.reshape(shape)
 
     def extra_repr(self) -> str:

@@ -47,6 +47,21 @@ def moe_reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None,
     return out
 
 
+def dot_error_scales(dout, x, topk_ids, w_gate, w_up, w_down):
+    """||dout[t] * y[t,k]|| (elementwise product, float64) for every (token, slot) pair. A
+    pair's d_topk_weights = <dout[t], y[t,k]> is a sum of those products; rounding each term
+    gives an error that scales with this norm, not with the sum, which cancellation can bring
+    near zero. For random vectors the two are of the same size."""
+    ids = topk_ids.long()
+    scales = torch.zeros(ids.shape, dtype=torch.float64, device=x.device)
+    for e in range(w_gate.shape[0]):
+        tok, slot = torch.where(ids == e)
+        if tok.numel():
+            y = expert_ffn(x[tok].double(), w_gate[e].double(), w_up[e].double(), w_down[e].double())
+            scales[tok, slot] = (dout[tok].double() * y).norm(dim=1)
+    return scales
+
+
 def moe_reference_backward(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None,
                            ws_down=None):
     """Gradients of moe_reference in float64: dict of dx, d_topk_weights, d_w_gate, d_w_up, d_w_down

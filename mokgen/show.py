@@ -28,6 +28,15 @@ def format_plan(plan: dict) -> str:
     if "forward_fused" in plan["steps"]:
         out.append(f"          calls with T <= {plan['fused_max_tokens']}: "
                    + " -> ".join(plan["steps"]["forward_fused"]))
+    for entry, what in (("forward_train", "training forward (autograd)"), ("backward", "backward"),
+                        ("backward_recompute", "backward, recompute=True")):
+        if entry in plan["steps"]:
+            zeroed = plan.get("zeroed", {}).get(entry)
+            out.append(f"          {what}: " + " -> ".join(plan["steps"][entry])
+                       + (f" (the runtime zeroes {', '.join(zeroed)} first)" if zeroed else ""))
+    if "backward" not in plan["steps"]:
+        out.append("          " + next((d for d in plan.get("decisions", []) if d.startswith("backward:")),
+                                       "backward: not generated"))
     rows = []
     for k in plan["kernels"]:
         p = k["params"]

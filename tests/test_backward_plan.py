@@ -28,8 +28,10 @@ def test_backward_kernels_bind_the_weights_as_stored(spec):
     E, H, I = spec.experts, spec.hidden, spec.intermediate
     steps = p.steps["backward_recompute"]
     assert steps[:2] == ["dispatch_count", "dispatch_scatter"]
-    # With the SwiGLU inputs saved by the training forward, the backward skips recomputing them.
-    assert p.steps["backward"] == [s for s in steps if s != "bwd_recompute"]
+    # With what the training forward saved, the backward neither dispatches nor recomputes;
+    # the runtime zeroes its tile counters instead.
+    assert p.steps["backward"] == [s for s in steps[2:] if s != "bwd_recompute"]
+    assert p.zeroed == {"backward": ["tile_counters"]}
     train = p.steps["forward_train"]
     assert "gemm_gateup_train" in train and p.kernel("gemm_gateup_train").params["epilogue"] == "swiglu_save"
     assert [a.tensor for a in p.kernel("gemm_gateup_train").args if a.name.startswith("c")] == ["h", "ga", "gb"]
@@ -51,10 +53,18 @@ def test_backward_kernels_bind_the_weights_as_stored(spec):
     assert any(d.startswith("backward:") for d in p.decisions)
 
 
-def test_no_backward_where_it_is_not_generated():
-    shared = make_plan(PRESETS["deepseek-v2-lite"])
-    assert "backward" not in shared.steps
-    assert any(d.startswith("backward: not generated for a shared expert") for d in shared.decisions)
+def test_shared_expert_backward_and_where_there_is_none():
+    p = make_plan(PRESETS["deepseek-v2-lite"])
+    for entry in ("backward", "backward_recompute", "forward_train"):
+        assert entry in p.steps
+    b = p.steps["backward"]
+    assert {"bwd_shared_dgrad_down", "bwd_shared_swiglu", "bwd_shared_dgrad_gateup", "wgrad_shared_down",
+            "wgrad_shared_gate", "wgrad_shared_up"} <= set(b)
+    assert b.index("bwd_shared_dgrad_gateup") < b.index("bwd_combine")  # the combine adds dx_shared
+    assert [a.tensor for a in p.kernel("bwd_combine").args if a.name == "ys"] == ["dx_shared"]
+    for w in ("wgrad_shared_down", "wgrad_shared_gate", "wgrad_shared_up"):
+        assert p.kernel(w).params["all_rows"] and p.kernel(w).params["groups"] == 1
+    assert "shared_gateup_train" in p.steps["forward_train"]
     assert "backward" not in make_plan(PRESETS["olmoe"], overrides={"profile": True}).steps
     assert "backward" not in make_plan(PRESETS["olmoe"], overrides={"fuse_gemms": True}).steps
 
@@ -68,5 +78,5 @@ def test_rendered_backward_modules():
     assert "tma_c2" in files["bwd_recompute.py"] and "silu" not in files["bwd_recompute.py"].split('"""', 2)[2]
     for w in ("wgrad_down", "wgrad_gate", "wgrad_up"):
         assert "ROW_ALIGN" in files[f"{w}.py"] and "k_tiles_now > 0" in files[f"{w}.py"]
-    assert "warp_reduction_sum" in files["swiglu_backward.py"]
+    assert "warp_reduction_sum" in files["bwd_swiglu.py"]
     assert "weights" not in files["bwd_combine.py"].split("import cutlass.cute as cute", 1)[1]

@@ -390,14 +390,13 @@ def test_experiment_gives_the_same_bits(experiment, shape, T, routing, gen):
 
 
 # ---- backward ----------------------------------------------------------------------
-BACKWARD_SHAPES = [s for s in SHAPES if not s[4]]  # the shared expert's backward is not generated yet
 BACKWARD_TOKENS = [1, 7, 1000, 4096]
 
 
 @pytest.mark.parametrize("saved", [True, False], ids=["saved", "recompute"])
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 @pytest.mark.parametrize("T", BACKWARD_TOKENS)
-@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s[:4]))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
 def test_backward_golden(shape, T, routing, saved, gen):
     """Every gradient against float64 autograd of the reference, with the SwiGLU inputs saved
     by the training forward or recomputed; workspace and gradients poisoned, so an unwritten
@@ -419,15 +418,15 @@ def test_backward_deterministic_bits(routing, gen):
     x, ids, w, wg, wu, wd, _ = make_inputs(shape, 4096, routing, gen)
     dout = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
     v = mokgen.load(spec_of(shape))
-    out, ga, gb = v.forward_train(x, ids, w, wg, wu, wd)
+    out, *saved = v.forward_train(x, ids, w, wg, wu, wd)
     assert torch.equal(out, v.forward(x, ids, w, wg, wu, wd))  # the training forward's output: same bits
-    first = v.backward(dout, x, ids, w, wg, wu, wd, ga, gb)
+    first = v.backward(dout, x, ids, w, wg, wu, wd, saved=saved)[:5]
     for _ in range(19):
-        _, ga, gb = v.forward_train(x, ids, w, wg, wu, wd)
-        again = v.backward(dout, x, ids, w, wg, wu, wd, ga, gb)
+        _, *saved = v.forward_train(x, ids, w, wg, wu, wd)
+        again = v.backward(dout, x, ids, w, wg, wu, wd, saved=saved)[:5]
         assert all(torch.equal(a, b) for a, b in zip(again, first))
     # Recomputing the SwiGLU inputs gives the saved ones' bits (same tiles, same K order).
-    assert all(torch.equal(a, b) for a, b in zip(v.backward(dout, x, ids, w, wg, wu, wd), first))
+    assert all(torch.equal(a, b) for a, b in zip(v.backward(dout, x, ids, w, wg, wu, wd)[:5], first))
 
 
 def autograd_grads(fn, x, ids, w, wg, wu, wd, dout):
@@ -459,14 +458,25 @@ def test_autograd_and_torch_compile(gen):
         assert torch.equal(compiled_api[name], eager[name]), name
 
 
-def test_shared_expert_backward_says_not_generated(gen):
+def test_shared_expert_gradients_through_autograd(gen):
+    """A layer with a shared expert: every gradient (the shared expert's too) through
+    mokgen.moe's autograd, saved and recomputed SwiGLU inputs giving the same bits."""
     import mokgen
+    from mokgen.reference import moe_reference_backward, rel_error
 
-    x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(SHAPES[4], 16, "uniform", gen)
-    xr = x.clone().requires_grad_(True)
-    out = mokgen.moe(xr, ids, w, wg, wu, wd, ws_gate=sg, ws_up=su, ws_down=sd)
-    with pytest.raises(NotImplementedError, match="shared expert"):
-        out.float().sum().backward()
+    x, ids, w, wg, wu, wd, shared = make_inputs(SHAPES[4], 777, "skewed", gen)
+    dout = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
+    ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd, *shared)
+    runs = []
+    for recompute in (False, True):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd) + shared]
+        mokgen.moe(leaves[0], ids, *leaves[1:5], ws_gate=leaves[5], ws_up=leaves[6], ws_down=leaves[7],
+                   recompute=recompute).backward(dout)
+        runs.append([t.grad for t in leaves])
+    names = ["dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"]
+    for name, saved, recomputed in zip(names, *runs):
+        assert rel_error(saved, ref[name]) <= TOL, name
+        assert torch.equal(saved, recomputed), name
 
 
 def test_moe_module_matches_torch_reference_module(gen):

@@ -16,6 +16,7 @@
 #include "gemm_down.h"
 #include "gemm_fused.h"
 #include "combine.h"
+#include "gemm_gateup_train.h"
 #include "bwd_recompute.h"
 #include "bwd_dgrad_down.h"
 #include "bwd_swiglu.h"
@@ -24,7 +25,6 @@
 #include "wgrad_down.h"
 #include "wgrad_gate.h"
 #include "wgrad_up.h"
-#include "gemm_gateup_train.h"
 
 const char *mokgen_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
 const char *mokgen_variant(void) { return "e64_k8_h2048_i1024_bf16_sm90a"; }
@@ -179,6 +179,30 @@ int mokgen_combine_launch(void **data, const int32_t *dyn, void *stream) {
     return cute_dsl_mokgen_combine_wrapper(&mod_combine, &arg_ids, &arg_weights, &arg_pos, &arg_y, &arg_out, (cudaStream_t)stream);
 }
 
+/* gemm_gateup_train: gemm_gateup stage, gemm_gateup_train.py:main */
+static mokgen_gemm_gateup_train_Kernel_Module_t mod_gemm_gateup_train;
+static pthread_once_t once_gemm_gateup_train = PTHREAD_ONCE_INIT;
+static int load_err_gemm_gateup_train = 0;
+static void load_gemm_gateup_train(void) {
+    mokgen_gemm_gateup_train_Kernel_Module_Load(&mod_gemm_gateup_train);
+    load_err_gemm_gateup_train = (int)cudaGetLastError();
+}
+int mokgen_gemm_gateup_train_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_gateup_train, load_gemm_gateup_train);
+    if (load_err_gemm_gateup_train) return load_err_gemm_gateup_train;
+    (void)dyn;
+    mokgen_gemm_gateup_train_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_gateup_train_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_gateup_train_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_gateup_train_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_gateup_train_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_gateup_train_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_gateup_train_Tensor_c_t arg_c = {data[6], {dyn[3]}};
+    mokgen_gemm_gateup_train_Tensor_c2_t arg_c2 = {data[7], {dyn[4]}};
+    mokgen_gemm_gateup_train_Tensor_c3_t arg_c3 = {data[8], {dyn[5]}};
+    return cute_dsl_mokgen_gemm_gateup_train_wrapper(&mod_gemm_gateup_train, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_c, &arg_c2, &arg_c3, (cudaStream_t)stream);
+}
+
 /* bwd_recompute: recompute stage, bwd_recompute.py:main */
 static mokgen_bwd_recompute_Kernel_Module_t mod_bwd_recompute;
 static pthread_once_t once_bwd_recompute = PTHREAD_ONCE_INIT;
@@ -223,7 +247,7 @@ int mokgen_bwd_dgrad_down_launch(void **data, const int32_t *dyn, void *stream) 
     return cute_dsl_mokgen_bwd_dgrad_down_wrapper(&mod_bwd_dgrad_down, &arg_a, &arg_row_token, &arg_b0, &arg_tile_expert, &arg_tile_counter, &arg_c, (cudaStream_t)stream);
 }
 
-/* bwd_swiglu: swiglu_backward stage, swiglu_backward.py:main */
+/* bwd_swiglu: swiglu_backward stage, bwd_swiglu.py:main */
 static mokgen_bwd_swiglu_Kernel_Module_t mod_bwd_swiglu;
 static pthread_once_t once_bwd_swiglu = PTHREAD_ONCE_INIT;
 static int load_err_bwd_swiglu = 0;
@@ -242,15 +266,13 @@ int mokgen_bwd_swiglu_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_bwd_swiglu_Tensor_g_t arg_g = {data[4], {dyn[4]}};
     mokgen_bwd_swiglu_Tensor_ga_t arg_ga = {data[5], {dyn[5]}};
     mokgen_bwd_swiglu_Tensor_gb_t arg_gb = {data[6], {dyn[6]}};
-    mokgen_bwd_swiglu_Tensor_dout_t arg_dout = {data[7], {dyn[7]}};
-    mokgen_bwd_swiglu_Tensor_x_t arg_x = {data[8], {dyn[8]}};
-    mokgen_bwd_swiglu_Tensor_da_t arg_da = {data[9], {dyn[9]}};
-    mokgen_bwd_swiglu_Tensor_db_t arg_db = {data[10], {dyn[10]}};
-    mokgen_bwd_swiglu_Tensor_hw_t arg_hw = {data[11], {dyn[11]}};
-    mokgen_bwd_swiglu_Tensor_dout_rows_t arg_dout_rows = {data[12], {dyn[12]}};
-    mokgen_bwd_swiglu_Tensor_xs_t arg_xs = {data[13], {dyn[13]}};
-    mokgen_bwd_swiglu_Tensor_d_weights_t arg_d_weights = {data[14], {dyn[14]}};
-    return cute_dsl_mokgen_bwd_swiglu_wrapper(&mod_bwd_swiglu, &arg_row_token, &arg_tile_expert, &arg_pos, &arg_weights, &arg_g, &arg_ga, &arg_gb, &arg_dout, &arg_x, &arg_da, &arg_db, &arg_hw, &arg_dout_rows, &arg_xs, &arg_d_weights, (cudaStream_t)stream);
+    mokgen_bwd_swiglu_Tensor_da_t arg_da = {data[7], {dyn[7]}};
+    mokgen_bwd_swiglu_Tensor_db_t arg_db = {data[8], {dyn[8]}};
+    mokgen_bwd_swiglu_Tensor_hw_t arg_hw = {data[9], {dyn[9]}};
+    mokgen_bwd_swiglu_Tensor_d_weights_t arg_d_weights = {data[10], {dyn[10]}};
+    mokgen_bwd_swiglu_Tensor_x_t arg_x = {data[11], {dyn[11]}};
+    mokgen_bwd_swiglu_Tensor_xs_t arg_xs = {data[12], {dyn[12]}};
+    return cute_dsl_mokgen_bwd_swiglu_wrapper(&mod_bwd_swiglu, &arg_row_token, &arg_tile_expert, &arg_pos, &arg_weights, &arg_g, &arg_ga, &arg_gb, &arg_da, &arg_db, &arg_hw, &arg_d_weights, &arg_x, &arg_xs, (cudaStream_t)stream);
 }
 
 /* bwd_dgrad_gateup: dgrad_gateup stage, bwd_dgrad_gateup.py:main */
@@ -308,11 +330,12 @@ int mokgen_wgrad_down_launch(void **data, const int32_t *dyn, void *stream) {
     if (load_err_wgrad_down) return load_err_wgrad_down;
     (void)dyn;
     mokgen_wgrad_down_Tensor_a_t arg_a = {data[0], {dyn[0]}};
-    mokgen_wgrad_down_Tensor_b0_t arg_b0 = {data[1], {dyn[1]}};
-    mokgen_wgrad_down_Tensor_tile_expert_t arg_tile_expert = {data[2]};
-    mokgen_wgrad_down_Tensor_tile_counter_t arg_tile_counter = {data[3]};
-    mokgen_wgrad_down_Tensor_c_t arg_c = {data[4]};
-    return cute_dsl_mokgen_wgrad_down_wrapper(&mod_wgrad_down, &arg_a, &arg_b0, &arg_tile_expert, &arg_tile_counter, &arg_c, (cudaStream_t)stream);
+    mokgen_wgrad_down_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_wgrad_down_Tensor_b0_t arg_b0 = {data[2], {dyn[2]}};
+    mokgen_wgrad_down_Tensor_tile_expert_t arg_tile_expert = {data[3]};
+    mokgen_wgrad_down_Tensor_tile_counter_t arg_tile_counter = {data[4]};
+    mokgen_wgrad_down_Tensor_c_t arg_c = {data[5]};
+    return cute_dsl_mokgen_wgrad_down_wrapper(&mod_wgrad_down, &arg_a, &arg_row_token, &arg_b0, &arg_tile_expert, &arg_tile_counter, &arg_c, (cudaStream_t)stream);
 }
 
 /* wgrad_gate: wgrad_gate stage, wgrad_gate.py:main */
@@ -353,29 +376,5 @@ int mokgen_wgrad_up_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_wgrad_up_Tensor_tile_counter_t arg_tile_counter = {data[3]};
     mokgen_wgrad_up_Tensor_c_t arg_c = {data[4]};
     return cute_dsl_mokgen_wgrad_up_wrapper(&mod_wgrad_up, &arg_a, &arg_b0, &arg_tile_expert, &arg_tile_counter, &arg_c, (cudaStream_t)stream);
-}
-
-/* gemm_gateup_train: gemm_gateup stage, gemm_gateup_train.py:main */
-static mokgen_gemm_gateup_train_Kernel_Module_t mod_gemm_gateup_train;
-static pthread_once_t once_gemm_gateup_train = PTHREAD_ONCE_INIT;
-static int load_err_gemm_gateup_train = 0;
-static void load_gemm_gateup_train(void) {
-    mokgen_gemm_gateup_train_Kernel_Module_Load(&mod_gemm_gateup_train);
-    load_err_gemm_gateup_train = (int)cudaGetLastError();
-}
-int mokgen_gemm_gateup_train_launch(void **data, const int32_t *dyn, void *stream) {
-    pthread_once(&once_gemm_gateup_train, load_gemm_gateup_train);
-    if (load_err_gemm_gateup_train) return load_err_gemm_gateup_train;
-    (void)dyn;
-    mokgen_gemm_gateup_train_Tensor_a_t arg_a = {data[0], {dyn[0]}};
-    mokgen_gemm_gateup_train_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
-    mokgen_gemm_gateup_train_Tensor_b0_t arg_b0 = {data[2]};
-    mokgen_gemm_gateup_train_Tensor_b1_t arg_b1 = {data[3]};
-    mokgen_gemm_gateup_train_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
-    mokgen_gemm_gateup_train_Tensor_tile_counter_t arg_tile_counter = {data[5]};
-    mokgen_gemm_gateup_train_Tensor_c_t arg_c = {data[6], {dyn[3]}};
-    mokgen_gemm_gateup_train_Tensor_c2_t arg_c2 = {data[7], {dyn[4]}};
-    mokgen_gemm_gateup_train_Tensor_c3_t arg_c3 = {data[8], {dyn[5]}};
-    return cute_dsl_mokgen_gemm_gateup_train_wrapper(&mod_gemm_gateup_train, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_c, &arg_c2, &arg_c3, (cudaStream_t)stream);
 }
 

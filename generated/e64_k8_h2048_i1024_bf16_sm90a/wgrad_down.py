@@ -12,14 +12,14 @@ ceil(counts[g] / 64) K steps, and a group without rows stores zeros. One CTA com
 whole tile in a fixed order: the gradients are bitwise deterministic.
 
 Persistent grid of min(132, tiles) CTAs. A free CTA claims the next tile of the
-(M tile, N tile) grid from a launch-wide counter (tile_counter[6], zeroed by dispatch), in M-major order (CTAs running together share an A tile and
+(M tile, N tile) grid from a launch-wide counter (tile_counter[7], zeroed by dispatch), in M-major order (CTAs running together share an A tile and
 the expert's weights in L2). Warp roles (384 threads):
   warpgroup 0        producer: warp 0 issues the TMA loads of A and B into a
                      4-stage shared-memory pipeline (full/empty mbarriers);
-                     registers lowered to 40 (setmaxnreg).
+                     registers lowered to 56 (setmaxnreg).
   warpgroups 1..2    consumers: wgmma on 64-row slices of the
                      128x256 tile, K step 64, fp32 accumulators in registers
-                     (raised to 232); then the epilogue: registers -> bf16 ->
+                     (raised to 224); then the epilogue: registers -> bf16 ->
                      shared memory (stmatrix) -> TMA store, 128x32 sub-tiles through
                      2 buffers of their own, so the producer already loads the next tile.
                      A consumer whose 64-row slice holds no token (an expert's last,
@@ -47,8 +47,8 @@ K_SIZE = 64
 GROUPS = 64
 THREADS = 384
 SMS = 132
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
+PRODUCER_REGS = 56
+CONSUMER_REGS = 224
 NUM_B = 1
 WG_THREADS = 128
 CONSUMER_THREADS = MMA_WARPGROUPS * WG_THREADS
@@ -65,13 +65,13 @@ CHUNKS = TILE_MNK[2] // VEC  # 16-byte chunks per row of an A stage
 EPILOGUE_BARRIER = 1
 CLUSTER_M = 1  # CTAs per cluster along M; they share (multicast) the B tiles
 SCHED_STAGES = 2  # tile-scheduler slots in shared memory
-SCHED_SLOT = 6  # this GEMM's entry in the tile_counter buffer
+SCHED_SLOT = 7  # this GEMM's entry in the tile_counter buffer
 # Warps that read every scheduled tile: the producer warps that load, and all consumer warps.
-SCHED_READERS = 1 + CONSUMER_THREADS // 32
+SCHED_READERS = WG_THREADS // 32 + CONSUMER_THREADS // 32
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: give up, report it
 STATUS_POLL_NS = 1000000  # a wait this long also checks whether another thread already gave up
 STATUS_SLOT = 12  # tile_counter entry for the launch's error code (0: none)
-ERROR_BASE = 112  # error code = ERROR_BASE + site: which kernel, which wait
+ERROR_BASE = 128  # error code = ERROR_BASE + site: which kernel, which wait
 SITE_STAGE_FULL = 1  # a consumer waited for a loaded stage
 SITE_STAGE_FREE = 2  # the producer waited for a stage to be released
 SITE_SCHED = 3  # a warp waited for the tile scheduler (or it for its readers)
@@ -197,6 +197,7 @@ class WgradDown:
     def __call__(
         self,
         a: cute.Tensor,
+        row_token: cute.Tensor,
         b0: cute.Tensor,
         tile_expert: cute.Tensor,  # here: the groups' row counts
         tile_counter: cute.Tensor,
@@ -205,7 +206,7 @@ class WgradDown:
     ):
         # (M, rows, 1) and (N, rows, 1) views of the row-major A and B: both MN-major, the
         # contraction running over the rows; C (M, N, groups), N-major.
-        rows = a.shape[0]
+        rows = row_token.shape[0]  # the gathered operand's source has T rows; its view only names the layout
         mA = cute.make_tensor(a.iterator, cute.make_layout((M_SIZE, rows, 1), stride=(1, M_SIZE, rows * M_SIZE)))
         mB0 = cute.make_tensor(b0.iterator, cute.make_layout((N_SIZE, rows, 1), stride=(1, N_SIZE, rows * N_SIZE)))
         mC = cute.make_tensor(c.iterator, cute.make_layout((M_SIZE, N_SIZE, GROUPS), stride=(N_SIZE, 1, M_SIZE * N_SIZE)))
@@ -215,9 +216,6 @@ class WgradDown:
         self._setup()
 
         tma_op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            tma_op, mA, cute.slice_(self.a_smem_staged, (None, None, 0)), (TILE_MNK[0], TILE_MNK[2])
-        )
         b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
         tma_b0, tma_mB0 = cute.nvgpu.cpasync.make_tiled_tma_atom(tma_op, mB0, b_smem, (TILE_MNK[1], TILE_MNK[2]))
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -244,7 +242,7 @@ class WgradDown:
         total_tiles = GROUPS * M_TILES * N_TILES
         grid_x = cutlass.min(SMS, total_tiles)
         self.kernel(
-            tma_a, tma_mA,
+            a, row_token,
             tma_b0, tma_mB0,
             tma_c, tma_mC,
             tile_expert,
@@ -258,8 +256,8 @@ class WgradDown:
     @cute.kernel
     def kernel(
         self,
-        tma_a: cute.CopyAtom,
-        mA: cute.Tensor,
+        mX: cute.Tensor,
+        row_token: cute.Tensor,
         tma_b0: cute.CopyAtom,
         mB0: cute.Tensor,
         tma_c: cute.CopyAtom,
@@ -277,16 +275,16 @@ class WgradDown:
         m_tiles_total = GROUPS * M_TILES
 
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b0)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         b_bytes = NUM_B * cute.size_in_bytes(self.io_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
-        # Full barriers: one producer thread + TMA bytes. Empty barriers: one arrive per consumer warp.
-        tx_bytes = cute.size_in_bytes(self.io_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + b_bytes
-        producer_arrivals = 1
+        # Full barriers: the TMA thread (+ B bytes) and one arrive per producer warp
+        # once its gathered A rows have landed. Empty barriers: one arrive per consumer warp.
+        tx_bytes = b_bytes
+        producer_arrivals = 1 + WG_THREADS // 32
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=STAGES,
@@ -317,12 +315,8 @@ class WgradDown:
         sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
 
         # (bM, bK, m, k, 1), (bN, bK, n, k, group), (bM, bN, m, n, 1)
-        gA = cute.local_tile(mA, cute.slice_(TILE_MNK, (None, 0, None)), (None, None, None))
         gB0 = cute.local_tile(mB0, cute.slice_(TILE_MNK, (0, None, None)), (None, None, None))
         gC = cute.local_tile(mC, cute.slice_(TILE_MNK, (None, None, 0)), (None, None, None))
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-        )
         tBsB0, tBgB0 = cute.nvgpu.cpasync.tma_partition(
             tma_b0, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2)
         )
@@ -333,41 +327,94 @@ class WgradDown:
         if wg_idx == 0:
             # ---------------- producer warpgroup ----------------
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp_idx == 0:
-                prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-                sched_i = cutlass.Int32(0)
-                claimed = cutlass.Int32(0)
-                failed = cutlass.Boolean(False)  # this thread has given up a wait (see wait_bounded)
-                # Each group's first row: a running sum over the groups before it. A CTA's
-                # tiles come in increasing order, so its groups never go back: at most
-                # GROUPS reads of counts per CTA over the whole launch.
-                next_group = cutlass.Int32(0)
-                row_start = cutlass.Int32(0)
+            # Weight gradients with A gathered: K row r of a stage is source row
+            # row_token[r] (padding rows load row 0; the other operand's zero rows cancel them).
+            # Thread t copies the 16-byte chunk t % G_CHUNKS of the tile's columns in K rows
+            # t // G_CHUNKS + j * (128 / G_CHUNKS); warp 0 also issues the other operand's TMA.
+            lane = cute.arch.lane_idx()
+            gather_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), self.io_dtype, num_bits_per_copy=128)
+            G_CHUNKS = TILE_MNK[0] // VEC
+            gather_copy = cute.make_tiled_copy_tv(
+                gather_atom, cute.make_layout((G_CHUNKS, WG_THREADS // G_CHUNKS), stride=(1, G_CHUNKS)), cute.make_layout((VEC, 1))
+            )
+            thr_gather = gather_copy.get_slice(tidx)
+            tGsG = thr_gather.partition_D(sA)  # (VEC, 1, K rows per thread, stages)
+            rows_per_thread = cute.size(tGsG, mode=[2])
+            col = tidx % G_CHUNKS
+            row0 = tidx // G_CHUNKS
+            full = ab_pipeline.sync_object_full
+            prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+            inflight = cutlass.Int32(0)  # committed stages whose full barrier has no arrive from this warp yet
+            sched_i = cutlass.Int32(0)
+            claimed = cutlass.Int32(0)
+            failed = cutlass.Boolean(False)  # this thread has given up a wait (see wait_bounded)
+            next_group = cutlass.Int32(0)  # the groups' first rows, a running sum (see the TMA producer)
+            row_start = cutlass.Int32(0)
+            if tidx == 0:
+                sched_publish(counter, sched_bar, sched_tile, sched_i, sched_claim(counter), m_tiles_total, tile_expert, status, failed)
+            tile = sched_read(sched_bar, sched_tile, sched_i, status)
+            while tile >= 0:
                 if tidx == 0:
-                    sched_publish(counter, sched_bar, sched_tile, sched_i, sched_claim(counter), m_tiles_total, tile_expert, status, failed)
-                tile = sched_read(sched_bar, sched_tile, sched_i, status)
-                while tile >= 0:
-                    if tidx == 0:
-                        claimed = sched_claim(counter)
-                    m_tile, n_tile, expert = tile_at(tile, m_tiles_total, tile_expert)
-                    while next_group < expert:
-                        row_start = row_start + (tile_expert[next_group] + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-                        next_group = next_group + 1
-                    k_first = row_start // TILE_MNK[2]
-                    k_tiles_now = (tile_expert[expert] + TILE_MNK[2] - 1) // TILE_MNK[2]
-                    for kt in cutlass.range(k_tiles_now, unroll=1):
+                    claimed = sched_claim(counter)
+                m_tile, n_tile, expert = tile_at(tile, m_tiles_total, tile_expert)
+                while next_group < expert:
+                    row_start = row_start + (tile_expert[next_group] + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+                    next_group = next_group + 1
+                k_first = row_start // TILE_MNK[2]
+                k_tiles_now = (tile_expert[expert] + TILE_MNK[2] - 1) // TILE_MNK[2]
+                for kt in cutlass.range(k_tiles_now, unroll=1):
+                    if warp_idx == 0:
                         failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
                         if not failed:
                             ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
                             bar = ab_pipeline.producer_get_barrier(prod_state)
-                            cute.copy(tma_a, tAgA[(None, m_tile, k_first + kt, 0)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
                             cute.copy(tma_b0, tBgB0[(None, n_tile, k_first + kt, 0)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
-                            ab_pipeline.producer_commit(prod_state)
-                        prod_state.advance()
-                    sched_i = sched_i + 1
-                    if tidx == 0:
-                        sched_publish(counter, sched_bar, sched_tile, sched_i, claimed, m_tiles_total, tile_expert, status, failed)
-                    tile = sched_read(sched_bar, sched_tile, sched_i, status)
+                    else:
+                        failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
+                    for j in cutlass.range_constexpr(rows_per_thread):
+                        tok = cutlass.max(row_token[(k_first + kt) * TILE_MNK[2] + row0 + j * (WG_THREADS // G_CHUNKS)], 0)
+                        src = cute.local_tile(mX, (1, VEC), (tok, m_tile * G_CHUNKS + col))
+                        cute.copy(gather_atom, src[(0, None)], tGsG[(None, 0, j, prod_state.index)])
+                    cute.arch.cp_async_commit_group()
+                    inflight = inflight + 1
+                    # Up to GATHER_LAG stages of gathers stay in flight; then the oldest is
+                    # waited for, made visible to the async proxy (wgmma) and released.
+                    # GATHER_LAG <= STAGES - 2 (the Plan checks): consumers free stage s
+                    # only once stage s + 1 is full, so more would deadlock.
+                    if inflight > GATHER_LAG:
+                        cute.arch.cp_async_wait_group(GATHER_LAG)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            if not failed:
+                                oldest = (prod_state.index + STAGES - GATHER_LAG) % STAGES
+                                cute.arch.mbarrier_arrive(full.get_barrier(oldest))
+                        inflight = inflight - 1
+                    prod_state.advance()
+                # The tile's last stages are released now, not by the next tile's gathers: the
+                # next tiles may have no rows at all (an expert without tokens), and the
+                # consumers would wait for this tile's last stage forever.
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_warp()
+                if lane == 0:
+                    if not failed:
+                        for d in cutlass.range(inflight, unroll=1):
+                            cute.arch.mbarrier_arrive(full.get_barrier((prod_state.index + STAGES - inflight + d) % STAGES))
+                inflight = 0
+                sched_i = sched_i + 1
+                if tidx == 0:
+                    sched_publish(counter, sched_bar, sched_tile, sched_i, claimed, m_tiles_total, tile_expert, status, failed)
+                tile = sched_read(sched_bar, sched_tile, sched_i, status)
+            # Complete this warp's lagged arrivals before the producer leaves.
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            if lane == 0:
+                if not failed:
+                    for d in cutlass.range(inflight, unroll=1):
+                        cute.arch.mbarrier_arrive(full.get_barrier((prod_state.index + STAGES - inflight + d) % STAGES))
+            if warp_idx == 0:
                 producer_tail_bounded(ab_pipeline, prod_state, status, failed)
         else:
             # ---------------- consumer warpgroups ----------------
@@ -474,6 +521,7 @@ class WgradDown:
 def compile_entry(fake, entry):
     """The (function, example arguments) pair that mokgen's compile step hands to cute.compile."""
     args = [fake("a")]
+    args.append(fake("row_token"))
     args.append(fake("b0"))
     args += [fake("tile_expert"), fake("tile_counter")]
     args.append(fake("c"))

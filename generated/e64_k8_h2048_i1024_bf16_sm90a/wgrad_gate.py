@@ -12,7 +12,7 @@ ceil(counts[g] / 64) K steps, and a group without rows stores zeros. One CTA com
 whole tile in a fixed order: the gradients are bitwise deterministic.
 
 Persistent grid of min(132, tiles) CTAs. A free CTA claims the next tile of the
-(M tile, N tile) grid from a launch-wide counter (tile_counter[7], zeroed by dispatch), in M-major order (CTAs running together share an A tile and
+(M tile, N tile) grid from a launch-wide counter (tile_counter[8], zeroed by dispatch), in M-major order (CTAs running together share an A tile and
 the expert's weights in L2). Warp roles (384 threads):
   warpgroup 0        producer: warp 0 issues the TMA loads of A and B into a
                      4-stage shared-memory pipeline (full/empty mbarriers);
@@ -65,13 +65,13 @@ CHUNKS = TILE_MNK[2] // VEC  # 16-byte chunks per row of an A stage
 EPILOGUE_BARRIER = 1
 CLUSTER_M = 1  # CTAs per cluster along M; they share (multicast) the B tiles
 SCHED_STAGES = 2  # tile-scheduler slots in shared memory
-SCHED_SLOT = 7  # this GEMM's entry in the tile_counter buffer
+SCHED_SLOT = 8  # this GEMM's entry in the tile_counter buffer
 # Warps that read every scheduled tile: the producer warps that load, and all consumer warps.
 SCHED_READERS = 1 + CONSUMER_THREADS // 32
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: give up, report it
 STATUS_POLL_NS = 1000000  # a wait this long also checks whether another thread already gave up
 STATUS_SLOT = 12  # tile_counter entry for the launch's error code (0: none)
-ERROR_BASE = 128  # error code = ERROR_BASE + site: which kernel, which wait
+ERROR_BASE = 144  # error code = ERROR_BASE + site: which kernel, which wait
 SITE_STAGE_FULL = 1  # a consumer waited for a loaded stage
 SITE_STAGE_FREE = 2  # the producer waited for a stage to be released
 SITE_SCHED = 3  # a warp waited for the tile scheduler (or it for its readers)

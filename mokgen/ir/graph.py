@@ -73,6 +73,22 @@ class Graph:
                 raise ValueError(f"graph output {o} is never produced")
 
 
+def layer_inputs(spec: MoESpec) -> list[TensorType]:
+    """The routed layer's inputs (DESIGN.md section 1), and dispatch's positions and rows,
+    which the forward and the backward graphs share."""
+    E, K, H, I = spec.local_experts, spec.topk, spec.hidden, spec.intermediate
+    return [
+        TensorType("x", (T, H), "bf16"),
+        TensorType("topk_ids", (T, K), "i32"),
+        TensorType("topk_weights", (T, K), "f32"),
+        TensorType("w_gate", (E, I, H), "bf16"),
+        TensorType("w_up", (E, I, H), "bf16"),
+        TensorType("w_down", (E, H, I), "bf16"),
+        TensorType("pos", (T, K), "i32"),
+        TensorType("xs", (T * K, H), "bf16"),
+    ]
+
+
 def forward_graph(spec: MoESpec, fused_route: bool = False) -> Graph:
     """The forward layer of DESIGN.md section 1 as stages.
 
@@ -83,17 +99,9 @@ def forward_graph(spec: MoESpec, fused_route: bool = False) -> Graph:
     shared_* (opt.)   x -> hs -> ys, the dense shared expert
     reduce            out = bf16(sum_k w[t,k] * y[pos[t,k]] + ys[t])
     """
-    E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
+    K, H, I, S = spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
     R = T * K  # routed (token, slot) rows
-    tensors = [
-        TensorType("x", (T, H), "bf16"),
-        TensorType("topk_ids", (T, K), "i32"),
-        TensorType("topk_weights", (T, K), "f32"),
-        TensorType("w_gate", (E, I, H), "bf16"),
-        TensorType("w_up", (E, I, H), "bf16"),
-        TensorType("w_down", (E, H, I), "bf16"),
-        TensorType("pos", (T, K), "i32"),
-        TensorType("xs", (R, H), "bf16"),
+    tensors = layer_inputs(spec) + [
         TensorType("h", (R, I), "bf16"),
         TensorType("y", (R, H), "bf16"),
         TensorType("out", (T, H), "bf16"),
@@ -150,26 +158,21 @@ def backward_graph(spec: MoESpec) -> Graph:
     dgrad_gateup      da, db -> dxs = da @ w_gate[e] + db @ w_up[e]
     reduce            dx[t] = sum_k dxs[pos[t,k]] (k ascending)
     wgrad_*           d_w_down[e] = dout_e^T hw_e, d_w_gate[e] = da_e^T xs_e, d_w_up[e] = db_e^T xs_e
+                      (dout_e gathered by wgrad_down; xs, x in dispatch order, copied by swiglu_backward)
+    shared_* (opt.)   the same for the shared expert over all T tokens (no weights, no
+                      dispatch): its dgrad of down, SwiGLU backward, dgrad of gate/up (added
+                      into dx by reduce) and weight gradients
     """
-    E, K, H, I = spec.local_experts, spec.topk, spec.hidden, spec.intermediate
+    E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
     R = T * K
-    tensors = [
-        TensorType("x", (T, H), "bf16"),
-        TensorType("topk_ids", (T, K), "i32"),
-        TensorType("topk_weights", (T, K), "f32"),
-        TensorType("w_gate", (E, I, H), "bf16"),
-        TensorType("w_up", (E, I, H), "bf16"),
-        TensorType("w_down", (E, H, I), "bf16"),
+    tensors = layer_inputs(spec) + [
         TensorType("dout", (T, H), "bf16"),
-        TensorType("pos", (T, K), "i32"),
-        TensorType("xs", (R, H), "bf16"),
         TensorType("ga", (R, I), "bf16"),
         TensorType("gb", (R, I), "bf16"),
         TensorType("g", (R, I), "bf16"),
         TensorType("da", (R, I), "bf16"),
         TensorType("db", (R, I), "bf16"),
         TensorType("hw", (R, I), "bf16"),
-        TensorType("dout_rows", (R, H), "bf16"),
         TensorType("dxs", (R, H), "bf16"),
         TensorType("dx", (T, H), "bf16"),
         TensorType("d_topk_weights", (T, K), "f32"),
@@ -177,7 +180,8 @@ def backward_graph(spec: MoESpec) -> Graph:
         TensorType("d_w_up", (E, I, H), "bf16"),
         TensorType("d_w_down", (E, H, I), "bf16"),
     ]
-    inputs = ("x", "topk_ids", "topk_weights", "w_gate", "w_up", "w_down", "dout")
+    inputs = ["x", "topk_ids", "topk_weights", "w_gate", "w_up", "w_down", "dout"]
+    outputs = ["dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"]
     routed = {"routed": True}
     stages = [
         Stage("send", "send", ("x", "topk_ids"), ("xs", "pos")),
@@ -185,19 +189,39 @@ def backward_graph(spec: MoESpec) -> Graph:
               attrs={"epilogue": "pair", **routed}),
         Stage("dgrad_down", "gemm", ("dout", "pos", "w_down"), ("g",), flops=2 * R * H * I,
               attrs={"epilogue": "store", **routed}),
-        Stage("swiglu_backward", "elementwise", ("g", "ga", "gb", "topk_weights", "dout", "xs"),
-              ("da", "db", "hw", "d_topk_weights", "dout_rows")),
+        Stage("swiglu_backward", "elementwise", ("g", "ga", "gb", "topk_weights", "x", "pos"),
+              ("da", "db", "hw", "d_topk_weights", "xs")),
         Stage("dgrad_gateup", "gemm", ("da", "db", "w_gate", "w_up"), ("dxs",), flops=4 * R * H * I,
               attrs={"epilogue": "store", **routed}),
-        Stage("reduce", "reduce", ("dxs", "pos", "topk_ids"), ("dx",), attrs={"order": "k ascending"}),
-        Stage("wgrad_down", "gemm", ("dout_rows", "hw"), ("d_w_down",), flops=2 * R * H * I,
+        Stage("reduce", "reduce", ("dxs", "pos", "topk_ids") + (("dx_shared",) if S else ()), ("dx",),
+              attrs={"order": "k ascending" + (", then the shared expert" if S else "")}),
+        Stage("wgrad_down", "gemm", ("dout", "pos", "hw"), ("d_w_down",), flops=2 * R * H * I,
               attrs={"epilogue": "store", **routed}),
         Stage("wgrad_gate", "gemm", ("da", "xs"), ("d_w_gate",), flops=2 * R * H * I,
               attrs={"epilogue": "store", **routed}),
         Stage("wgrad_up", "gemm", ("db", "xs"), ("d_w_up",), flops=2 * R * H * I,
               attrs={"epilogue": "store", **routed}),
     ]
-    g = Graph(spec, {t.name: t for t in tensors}, stages, inputs,
-              ("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"))
+    if S:
+        tensors += [TensorType(n, shape, "bf16") for n, shape in (
+            ("ws_gate", (S, H)), ("ws_up", (S, H)), ("ws_down", (H, S)), ("sa", (T, S)), ("sb", (T, S)),
+            ("gs", (T, S)), ("das", (T, S)), ("dbs", (T, S)), ("hsb", (T, S)), ("dx_shared", (T, H)),
+            ("d_ws_gate", (S, H)), ("d_ws_up", (S, H)), ("d_ws_down", (H, S)))]
+        inputs += ["ws_gate", "ws_up", "ws_down"]
+        outputs += ["d_ws_gate", "d_ws_up", "d_ws_down"]
+        shared = {"routed": False}
+        stages[5:5] = [  # before reduce, which adds dx_shared
+            Stage("shared_recompute", "gemm", ("x", "ws_gate", "ws_up"), ("sa", "sb"), flops=4 * T * H * S,
+                  attrs={"epilogue": "pair", **shared}),
+            Stage("shared_dgrad_down", "gemm", ("dout", "ws_down"), ("gs",), flops=2 * T * H * S,
+                  attrs={"epilogue": "store", **shared}),
+            Stage("shared_swiglu_backward", "elementwise", ("gs", "sa", "sb"), ("das", "dbs", "hsb")),
+            Stage("shared_dgrad_gateup", "gemm", ("das", "dbs", "ws_gate", "ws_up"), ("dx_shared",),
+                  flops=4 * T * H * S, attrs={"epilogue": "store", **shared}),
+        ]
+        stages += [Stage(f"wgrad_shared_{n}", "gemm", (a, b), (f"d_ws_{n}",), flops=2 * T * H * S,
+                         attrs={"epilogue": "store", **shared})
+                   for n, a, b in (("down", "dout", "hsb"), ("gate", "das", "x"), ("up", "dbs", "x"))]
+    g = Graph(spec, {t.name: t for t in tensors}, stages, tuple(inputs), tuple(outputs))
     g.check()
     return g

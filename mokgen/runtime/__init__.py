@@ -98,8 +98,9 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     by the device: mokgen.check_errors() or the next call raises InputError.
 
     Differentiable in x, topk_weights and the weights. Under autograd it saves the inputs and
-    the SwiGLU inputs x @ w_gate^T, x @ w_up^T (2 x ~T*K x I bf16); recompute=True saves the
-    inputs only and the backward recomputes the rest (one more gate/up GEMM).
+    the SwiGLU inputs x @ w_gate^T, x @ w_up^T (2 x ~T*K x I bf16, + 2 x T x Is with a shared
+    expert); recompute=True saves the inputs only and the backward recomputes the rest (one
+    more gate/up GEMM per expert kind).
     """
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
@@ -112,9 +113,10 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
         raise
     if check_ids:
         check_ids_in_range(topk_ids, E, x)
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down))
-    if training and not recompute and ws_gate is None and v.has_backward:
-        return v.ops.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down)[0]
+    params = (x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
+    if training and not recompute and v.has_backward:
+        return v.ops.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)[0]
     return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..ir import MoESpec
 from ..ir.graph import T as T_SYM
-from ..schedule.plan import BAD_IDS_CODE, WAIT_TIMEOUT_MS
+from ..schedule.plan import BAD_IDS_CODE, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS
 from .checks import InputError
 from .library import Launcher, cuda_stream, open_library
 
@@ -109,16 +109,17 @@ class Variant:
         """The workspace buffers an entry point's kernels use (only those are allocated)."""
         return frozenset(a["tensor"] for name in self.plan["steps"][entry] for a in self.kernels[name]["args"])
 
-    # Buffers the caller binds itself in some entry points (the saved SwiGLU inputs).
-    CALLER_BOUND = {"forward_train": ("ga", "gb"), "backward": ("ga", "gb")}
+    # Buffers the caller binds itself in some entry points (what the training forward saved).
+    CALLER_BOUND = {"backward": SAVED_FOR_BACKWARD}
 
     def _workspace(self, tokens: int, device, entry: str) -> dict:
         ws = {}
         used = self.entry_buffers(entry).difference(self.CALLER_BOUND.get(entry, ()))
+        zeroed = self.plan.get("zeroed", {}).get(entry, ())
         for name, dt, shape, init in self.buffer_shapes(tokens):
             if name not in used:
                 continue
-            if init == "zeros":
+            if init == "zeros" or name in zeroed:
                 ws[name] = torch.zeros(shape, dtype=dt, device=device)
             elif self.poison:
                 ws[name] = torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=device)
@@ -197,64 +198,75 @@ class Variant:
     def has_backward(self) -> bool:
         return "backward" in self.plan["steps"]
 
-    def saved_rows(self, tokens):
-        """Rows of the saved SwiGLU inputs (dispatch's padded layout) for `tokens` tokens; integer
-        arithmetic only, so it also works on torch.compile's symbolic sizes."""
-        rt, c = self.plan["row_tile"], int(self.plan["overrides"].get("cluster_m", 1))
-        K, E = self.spec.topk, self.spec.local_experts
-        return (c * ((tokens * K + c * rt - 1) // (c * rt)) + c * E) * rt
-
-    def forward_train(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
-        """(out, ga, gb): the forward of autograd, which also returns the SwiGLU inputs
-        ga = x @ w_gate^T and gb = x @ w_up^T in dispatch's row order (for backward)."""
+    def forward_train(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
+        """(out, *saved): the forward of autograd. saved (SAVED_FOR_BACKWARD) is what the
+        backward needs besides the inputs: the SwiGLU inputs ga = x @ w_gate^T and gb = x @
+        w_up^T in dispatch's row order, the shared expert's sa, sb (empty without one), and
+        dispatch's tables pos, row_token, tile_expert, counts."""
         tokens = x.shape[0]
         out = torch.empty_like(x)
-        rows, I = self.saved_rows(tokens), self.spec.intermediate
-        ga, gb = (x.new_empty(rows, I) for _ in range(2))
-        if tokens == 0:
-            return out, ga, gb
-        self._check_status(wait=False)
         with torch.cuda.device(x.device):
             env = self._workspace(tokens, x.device, "forward_train")
+            # (A missing shared expert's entries are empty tensors, each its own: outputs of a
+            # custom op may not alias one another.)
+            saved = tuple(env[n] if n in env else x.new_empty(0) for n in SAVED_FOR_BACKWARD)
+            if tokens == 0:
+                return (out,) + saved
+            self._check_status(wait=False)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
-                       out=out, ga=ga, gb=gb)
+                       out=out, ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
             self.run("forward_train", env, x.device)
             self._record_status(env)
-        return out, ga, gb
+        return (out,) + saved
 
-    def backward(self, dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ga=None, gb=None):
-        """(dx, d_topk_weights, d_w_gate, d_w_up, d_w_down) of the routed layer for the
-        output gradient dout (DESIGN.md section 1). ga, gb: the SwiGLU inputs forward_train
-        saved; without them the backward recomputes them. Pairs whose id is out of range get
-        d_topk_weights 0 and contribute nothing."""
+    def saved_shapes(self, tokens) -> dict:
+        """Shapes of forward_train's saved tensors (integer arithmetic only: torch.compile's
+        fake implementations call it with symbolic sizes)."""
+        rt, c = self.plan["row_tile"], int(self.plan["overrides"].get("cluster_m", 1))
+        K, E, I, S = self.spec.topk, self.spec.local_experts, self.spec.intermediate, self.spec.shared_intermediate
+        m_tiles = c * ((tokens * K + c * rt - 1) // (c * rt)) + c * E
+        rows = m_tiles * rt
+        return dict(ga=(rows, I), gb=(rows, I), sa=(tokens, S) if S else (0,), sb=(tokens, S) if S else (0,),
+                    pos=(tokens, K), row_token=(rows,), tile_expert=(m_tiles,), counts=(E,))
+
+    def backward(self, dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
+                 saved=None):
+        """(dx, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down) for
+        the output gradient dout (DESIGN.md section 1); the shared expert's are None without
+        one. saved: forward_train's saved tensors (a sequence in SAVED_FOR_BACKWARD order);
+        without them the backward dispatches again and recomputes the SwiGLU inputs. Pairs
+        whose id is out of range get d_topk_weights 0 and contribute nothing."""
         if not self.has_backward:
             raise NotImplementedError(f"{self.name}: the backward is not generated for this layer "
                                       f"({self.why_no_backward()})")
         tokens = x.shape[0]
+        weights = [w_gate, w_up, w_down] + ([ws_gate, ws_up, ws_down] if self.spec.shared_intermediate else [])
         # Every element of dx and of the weight gradients is written (an expert without tokens
         # gets zeros); d_topk_weights starts at zero for pairs whose id is out of range. The
         # golden tests' poison mode starts all of them at NaN instead (their ids are valid).
         if self.poison:
             dx, d_weights = torch.full_like(x, float("nan")), torch.full_like(topk_weights, float("nan"))
-            d_w = [torch.full_like(w, float("nan")) for w in (w_gate, w_up, w_down)]
+            d_w = [torch.full_like(w, float("nan")) for w in weights]
         else:
             dx, d_weights = torch.empty_like(x), torch.zeros_like(topk_weights, dtype=torch.float32)
-            d_w = [torch.empty_like(w) for w in (w_gate, w_up, w_down)]
+            d_w = [torch.empty_like(w) for w in weights]
+        grads = [dx, d_weights, *d_w] + [None] * (8 - 2 - len(d_w))
         if tokens == 0:
             for d in d_w:
                 d.zero_()
-            return dx, d_weights, *d_w
+            return tuple(grads)
         self._check_status(wait=False)
-        entry = "backward" if ga is not None else "backward_recompute"
+        entry = "backward" if saved is not None else "backward_recompute"
         with torch.cuda.device(x.device):
             env = self._workspace(tokens, x.device, entry)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
-                       dout=dout, dx=dx, d_topk_weights=d_weights, d_w_gate=d_w[0], d_w_up=d_w[1], d_w_down=d_w[2])
-            if ga is not None:
-                env.update(ga=ga, gb=gb)
+                       ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down, dout=dout, dx=dx, d_topk_weights=d_weights)
+            env.update(zip(("d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"), d_w))
+            if saved is not None:
+                env.update(zip(SAVED_FOR_BACKWARD, saved))
             self.run(entry, env, x.device)
             self._record_status(env)
-        return dx, d_weights, *d_w
+        return tuple(grads)
 
     def why_no_backward(self) -> str:
         return next((d for d in self.plan.get("decisions", []) if d.startswith("backward:")), "no backward in the Plan")
@@ -298,52 +310,61 @@ def _register_ops(v: Variant):
 
     @torch.library.custom_op(f"mokgen::{v.name}_backward", mutates_args=())
     def backward(dout: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
-                 w_down: Tensor, ga: Optional[Tensor] = None,
-                 gb: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return Ops.variant.backward(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ga, gb)
+                 w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
+                 saved: list[Tensor]) -> list[Tensor]:
+        """The gradients (5, or 8 with a shared expert): see Variant.backward. saved: what
+        forward_train saved, or [] (dispatch again and recompute)."""
+        grads = Ops.variant.backward(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                                     saved or None)
+        return [g for g in grads if g is not None]
 
     @backward.register_fake
-    def _(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ga=None, gb=None):
-        return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
-                torch.empty_like(w_down))
+    def _(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved):
+        shared = [torch.empty_like(w) for w in (ws_gate, ws_up, ws_down) if w is not None]
+        return [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
+                torch.empty_like(w_down)] + shared
+
+    def input_grads(grads, shared: bool):
+        """The autograd formula's return value for the inputs (x, topk_ids, topk_weights,
+        w_gate, w_up, w_down, ws_gate, ws_up, ws_down)."""
+        dx, dw, dg, du, dd, *ds = grads
+        return (dx, None, dw, dg, du, dd) + (tuple(ds) if shared else (None, None, None))
 
     # The inference forward's autograd formula (mokgen.moe(..., recompute=True)): only the
     # inputs are saved; the backward dispatches again and recomputes the SwiGLU inputs.
     def setup_context(ctx, inputs, output):
-        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = inputs
-        ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down)
-        ctx.shared = ws_gate is not None
+        ctx.save_for_backward(*inputs)
 
     def autograd_backward(ctx, grad):
-        if ctx.shared:
-            raise NotImplementedError(f"{Ops.variant.name}: the backward of a layer with a shared expert is not "
-                                      "generated yet")
-        x, topk_ids, topk_weights, w_gate, w_up, w_down = ctx.saved_tensors
-        dx, dw, dg, du, dd = backward(grad.contiguous(), x, topk_ids, topk_weights, w_gate, w_up, w_down)
-        return dx, None, dw, dg, du, dd, None, None, None
+        x, ids, w, wg, wu, wd, sg, su, sd = ctx.saved_tensors
+        return input_grads(backward(grad.contiguous(), x, ids, w, wg, wu, wd, sg, su, sd, []), sg is not None)
 
     forward.register_autograd(autograd_backward, setup_context=setup_context)
 
-    # The training forward (mokgen.moe's default under autograd): it also returns the SwiGLU
-    # inputs, which autograd saves for the backward (2 x rows x I bf16, rows ~ T*K).
+    # The training forward (mokgen.moe's default under autograd): it also returns what the
+    # backward needs besides the inputs (SAVED_FOR_BACKWARD: the SwiGLU inputs, 2 x rows x I
+    # bf16 with rows ~ T*K, + 2 x T x Is for a shared expert; dispatch's small int tables).
     @torch.library.custom_op(f"mokgen::{v.name}_forward_train", mutates_args=())
     def forward_train(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
-                      w_down: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return Ops.variant.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+                      w_down: Tensor, ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None,
+                      ws_down: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                 Tensor, Tensor, Tensor]:
+        return Ops.variant.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
     @forward_train.register_fake
-    def _(x, topk_ids, topk_weights, w_gate, w_up, w_down):
-        rows = Ops.variant.saved_rows(x.shape[0])
-        return torch.empty_like(x), x.new_empty(rows, w_gate.shape[1]), x.new_empty(rows, w_gate.shape[1])
+    def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
+        shapes = Ops.variant.saved_shapes(x.shape[0])
+        dtypes = dict(pos=torch.int32, row_token=torch.int32, tile_expert=torch.int32, counts=torch.int32)
+        return (torch.empty_like(x),) + tuple(x.new_empty(shapes[n], dtype=dtypes.get(n, x.dtype))
+                                              for n in SAVED_FOR_BACKWARD)
 
     def setup_context_train(ctx, inputs, output):
-        ctx.save_for_backward(*inputs, output[1], output[2])
-        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.save_for_backward(*inputs, *output[1:])
+        ctx.mark_non_differentiable(*output[1:])
 
-    def autograd_backward_train(ctx, grad, _ga_grad, _gb_grad):
-        x, topk_ids, topk_weights, w_gate, w_up, w_down, ga, gb = ctx.saved_tensors
-        dx, dw, dg, du, dd = backward(grad.contiguous(), x, topk_ids, topk_weights, w_gate, w_up, w_down, ga, gb)
-        return dx, None, dw, dg, du, dd
+    def autograd_backward_train(ctx, grad, *_saved_grads):
+        x, ids, w, wg, wu, wd, sg, su, sd, *saved = ctx.saved_tensors
+        return input_grads(backward(grad.contiguous(), x, ids, w, wg, wu, wd, sg, su, sd, saved), sg is not None)
 
     forward_train.register_autograd(autograd_backward_train, setup_context=setup_context_train)
 

@@ -105,6 +105,9 @@ class Plan:
     # Calls with at most this many tokens run steps["forward_fused"] (one GEMM launch) instead
     # of steps["forward"]; 0: the Plan has one forward path.
     fused_max_tokens: int = 0
+    # Buffers the runtime zeroes before an entry point's kernels, where none of them does
+    # (entry -> names; dispatch_count zeroes tile_counters in the entries that dispatch).
+    zeroed: dict = field(default_factory=dict)
 
     # ---- (de)serialisation -------------------------------------------------------
     def to_dict(self) -> dict:
@@ -277,7 +280,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     backward, why = backward_support(spec, overrides or {}, paths)
     decisions.append(why)
     gemm_names = ([] if paths == "fused" else ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])) \
-        + (["gemm_fused"] if fuse else []) + (BACKWARD_GEMMS if backward else [])
+        + (["gemm_fused"] if fuse else []) + (BACKWARD_GEMMS if backward else []) \
+        + (SHARED_BACKWARD_GEMMS if backward and S else [])
     slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
         + (["down_done"] if fused_combine else []) + ["status"]
     used_slot = slots.index("used") if fuse else 0
@@ -335,18 +339,22 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                          "compaction keeps (token, slot) order, so positions are deterministic")
 
     def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc, gather_a=False,
-             routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True):
+             routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn=""):
         """One grouped GEMM. The backward's modes (templates/grouped_gemm_persistent.py.j2):
         epilogue "pair" (c = (c0, c1), both products stored), b_major "mn" (B stored
         [groups, K, N]), split_k (a = (a0, a1) and b = (b0, b1) along K), wgrad_m (weight
-        gradients [groups, wgrad_m, n] contracted over each group's rows; k is unused)."""
+        gradients [groups, wgrad_m, n] contracted over each group's rows; k is unused; gather_mn
+        "a" or "b": that operand's rows gathered from token rows through row_token)."""
         tile_m = 128 if wgrad_m else row_tile  # a weight-gradient tile runs over H or I, not rows
-        tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a,
+        tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a or bool(gather_mn),
                                 (overrides or {}).get(f"{name}.tile_n"), (overrides or {}).get(f"{name}.epi_stages"))
         cs = c if isinstance(c, tuple) else (c,)
         if wgrad_m:  # A [rows, wgrad_m], B [rows, n]; counts give each group's rows
-            args = [KernelArg("a", a, "bf16", [m_sym, wgrad_m]), KernelArg("b0", b[0], "bf16", [m_sym, n]),
-                    KernelArg("tile_expert", "counts", "i32", [groups]),
+            args = [KernelArg("a", a, "bf16", ["T" if gather_mn == "a" else m_sym, wgrad_m])]
+            if gather_mn:
+                args.append(KernelArg("row_token", "row_token", "i32", [m_sym]))
+            args += [KernelArg("b0", b[0], "bf16", ["T" if gather_mn == "b" else m_sym, n]),
+                     KernelArg("tile_expert", tiles_tensor, "i32", [groups]),
                     KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
                     KernelArg("c", cs[0], "bf16", [groups, wgrad_m, n])]
         else:
@@ -389,7 +397,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                       sched_stages=SCHED_STAGES,
                       status_slot=status_slot,
                       gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns, status_poll_ns=STATUS_POLL_NS,
-                      b_major=b_major, split_k=split_k, wgrad=bool(wgrad_m), m_size=wgrad_m,
+                      b_major=b_major, split_k=split_k, wgrad=bool(wgrad_m), m_size=wgrad_m, gather_mn=gather_mn,
                       row_align=row_tile * cluster_m,
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
@@ -472,18 +480,6 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 
     if backward:
         kernels += backward_kernels(gemm, spec, target, row_tile, buffers, steps, decisions, _expr(rows))
-        # The training forward: the per-GEMM path, its gate/up GEMM also storing the SwiGLU
-        # inputs (ga, gb) for the backward, which then skips its recomputation.
-        kernels.append(gemm("gemm_gateup_train", "gemm_gateup", "x", ("w_gate", "w_up"), ("h", "ga", "gb"), I, H,
-                            "swiglu_save", "tile_expert", "M", "MT", E,
-                            "Routed gate/up projection with the SwiGLU epilogue, storing the SwiGLU inputs too "
-                            "(the training forward).", gather_a=True))
-        steps["forward_train"] = ["dispatch_count", "dispatch_scatter", "gemm_gateup_train", "gemm_down", "combine"]
-        decisions.append("forward_train (autograd's forward): the per-GEMM path with gemm_gateup_train, which also "
-                         "stores x @ w_gate^T and x @ w_up^T (bf16, the bits bwd_recompute would compute: same tile "
-                         "and K order); the backward then reads them (steps backward) instead of recomputing them "
-                         "(steps backward_recompute, for callers that save memory)")
-
     profile = bool((overrides or {}).get("profile"))
     for k in kernels:  # every template reads the flag; only the forward's kernels record
         k.params = dict(k.params, profile=profile and k.name in forward)
@@ -522,6 +518,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         task_graph=forward_task_graph(spec, gemm_model_params({k.name: k.params for k in kernels}),
                                       target).to_dict(),
         fused_max_tokens=FUSED_MAX_TOKENS if paths == "by_tokens" else 0,
+        zeroed={"backward": ["tile_counters"]} if backward else {},
     )
     check_plan(plan, graph)
     return plan
@@ -693,17 +690,20 @@ def check_plan(plan: Plan, graph: Graph) -> None:
             raise PlanError(f"kernel {k.name}: {k.smem_bytes} B of shared memory")
 
 
+# What the training forward hands to autograd for the backward: the SwiGLU inputs (routed,
+# shared) and dispatch's tables.
+SAVED_FOR_BACKWARD = ("ga", "gb", "sa", "sb", "pos", "row_token", "tile_expert", "counts")
 # The backward's grouped GEMMs, in launch order (each has a tile-counter slot).
-BACKWARD_GEMMS = ["bwd_recompute", "bwd_dgrad_down", "bwd_dgrad_gateup", "wgrad_down", "wgrad_gate", "wgrad_up",
-                  "gemm_gateup_train"]
+BACKWARD_GEMMS = ["gemm_gateup_train", "bwd_recompute", "bwd_dgrad_down", "bwd_dgrad_gateup", "wgrad_down",
+                  "wgrad_gate", "wgrad_up"]
+SHARED_BACKWARD_GEMMS = ["shared_gateup_train", "bwd_shared_recompute", "bwd_shared_dgrad_down",
+                         "bwd_shared_dgrad_gateup", "wgrad_shared_down", "wgrad_shared_gate", "wgrad_shared_up"]
 # Rows (token, slot pairs) per CTA of the SwiGLU backward: one warp each.
 SWIGLU_BWD_WARPS = 8
 
 
 def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, str]:
     """(whether the Plan has the backward entry points, why)."""
-    if spec.shared_intermediate:
-        return False, "backward: not generated for a shared expert yet (forward only)"
     if overrides.get("profile"):
         return False, "backward: not in a profiling build (it times the forward)"
     if paths == "fused":
@@ -715,12 +715,18 @@ def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, 
 
 def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers: list, steps: dict,
                      decisions: list, rows: str) -> list:
-    """The backward's kernels (backward_graph's stages) and its step list steps["backward"]:
-    dispatch again, recompute gate/up, dgrad of down, SwiGLU backward, dgrad of gate/up,
-    the unweighted reverse combine, then the three weight gradients."""
-    E, K, H, I = spec.local_experts, spec.topk, spec.hidden, spec.intermediate
+    """The training forward's and the backward's kernels (backward_graph's stages) and their
+    step lists: steps["forward_train"] (the per-GEMM forward whose gate/up GEMMs also store
+    the SwiGLU inputs), steps["backward"] (reads them) and steps["backward_recompute"]
+    (recomputes them). The backward dispatches again, then per expert kind (routed, shared):
+    dgrad of down, SwiGLU backward, dgrad of gate/up; the reverse combine; the weight
+    gradients."""
+    E, H, I, S = spec.local_experts, spec.hidden, spec.intermediate, spec.shared_intermediate
     buffers += [Buffer(n, "bf16", [rows, str(I)]) for n in ("ga", "gb", "g", "da", "db", "hw")]
-    buffers += [Buffer(n, "bf16", [rows, str(H)]) for n in ("dout_rows", "xs", "dxs")]
+    buffers += [Buffer(n, "bf16", [rows, str(H)]) for n in ("xs", "dxs")]
+    train = gemm("gemm_gateup_train", "gemm_gateup", "x", ("w_gate", "w_up"), ("h", "ga", "gb"), I, H, "swiglu_save",
+                 "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue, storing the SwiGLU "
+                 "inputs too (the training forward).", gather_a=True)
     ks = [
         gemm("bwd_recompute", "recompute", "x", ("w_gate", "w_up"), ("ga", "gb"), I, H, "pair",
              "tile_expert", "M", "MT", E, "Backward: the SwiGLU inputs recomputed, both products stored.",
@@ -728,44 +734,104 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
         gemm("bwd_dgrad_down", "dgrad_down", "dout", ("w_down",), "g", I, H, "store", "tile_expert", "M", "MT", E,
              "Backward: the down projection's input gradient (unweighted), dout rows gathered.",
              gather_a=True, b_major="mn", clustered=False),
+        swiglu_backward("bwd_swiglu", spec, row_tile),
         gemm("bwd_dgrad_gateup", "dgrad_gateup", ("da", "db"), ("w_gate", "w_up"), "dxs", H, 2 * I, "store",
              "tile_expert", "M", "MT", E, "Backward: the gate/up projections' input gradient.",
              b_major="mn", split_k=True, clustered=False),
     ]
-    for name, stage, a, b, c, m, n in (("wgrad_down", "wgrad_down", "dout_rows", "hw", "d_w_down", H, I),
-                                       ("wgrad_gate", "wgrad_gate", "da", "xs", "d_w_gate", I, H),
-                                       ("wgrad_up", "wgrad_up", "db", "xs", "d_w_up", I, H)):
-        ks.append(gemm(name, stage, a, (b,), c, n, 64, "store", "counts", "M", f"{E}*ceil({m}/128)", E,
-                       f"Backward: the weight gradient {c}, one expert's rows contracted per tile.", wgrad_m=m,
-                       clustered=False))
-    threads = SWIGLU_BWD_WARPS * 32
-    ks.insert(2, KernelPlan(
-        "bwd_swiglu", "swiglu_backward", "swiglu_backward", "swiglu_backward.py.j2", "main",
-        dict(topk=K, experts=E, hidden=H, intermediate=I, threads=threads, vec=VEC, tile_m=row_tile),
-        [KernelArg("row_token", "row_token", "i32", ["M"]), KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
-         KernelArg("pos", "pos", "i32", ["T", K]),
-         KernelArg("weights", "topk_weights", "f32", ["T", K]), KernelArg("g", "g", "bf16", ["M", I]),
-         KernelArg("ga", "ga", "bf16", ["M", I]), KernelArg("gb", "gb", "bf16", ["M", I]),
-         KernelArg("dout", "dout", "bf16", ["T", H]), KernelArg("x", "x", "bf16", ["T", H]),
-         KernelArg("da", "da", "bf16", ["M", I]), KernelArg("db", "db", "bf16", ["M", I]),
-         KernelArg("hw", "hw", "bf16", ["M", I]), KernelArg("dout_rows", "dout_rows", "bf16", ["M", H]),
-         KernelArg("xs", "xs", "bf16", ["M", H]), KernelArg("d_weights", "d_topk_weights", "f32", ["T", K])],
-        grid=f"(ceil(M/{SWIGLU_BWD_WARPS}),)", block=threads,
-        warp_roles=["every warp: one row (token, slot pair) at a time; padding rows get zeros"]))
-    combine_threads = simt_threads(H, target)
-    ks.insert(4, KernelPlan(
-        "bwd_combine", "reduce", "bwd_combine", "combine.py.j2", "main",
-        dict(experts=E, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=False, weighted=False),
-        [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("pos", "pos", "i32", ["T", K]),
-         KernelArg("y", "dxs", "bf16", ["M", H]), KernelArg("out", "dx", "bf16", ["T", H])],
-        grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
+    # wgrad_down gathers its dout rows (the producer, by cp.async: a 128-wide A tile, 8 copies
+    # per thread and stage); wgrad_gate/up read the x rows bwd_swiglu copies into dispatch
+    # order (xs) by TMA. Measured on H200, E64 K8 H2048 I1024, T=16384: gathering their
+    # 256-wide B tiles too (16 copies per thread and stage) made each 0.41 ms slower, more
+    # than the copy costs (docs/perf.md).
+    wgrads = [("wgrad_down", "dout", "hw", "d_w_down", H, I, E, "M", "counts", "a"),
+              ("wgrad_gate", "da", "xs", "d_w_gate", I, H, E, "M", "counts", ""),
+              ("wgrad_up", "db", "xs", "d_w_up", I, H, E, "M", "counts", "")]
+    if S:  # the shared expert: the same kernels with one group over all T tokens, nothing gathered
+        train_s = gemm("shared_gateup_train", "shared_gateup", "x", ("ws_gate", "ws_up"), ("hs", "sa", "sb"), S, H,
+                       "swiglu_save", "shared_tiles", "T", "ST", 1, "Shared expert gate/up projection storing the "
+                       "SwiGLU inputs too (the training forward).", routed=False)
+        buffers += [Buffer(n, "bf16", ["T", str(S)]) for n in ("sa", "sb", "gs", "das", "dbs", "hsb")]
+        buffers.append(Buffer("dx_shared", "bf16", ["T", str(H)]))
+        ks += [
+            gemm("bwd_shared_recompute", "shared_recompute", "x", ("ws_gate", "ws_up"), ("sa", "sb"), S, H, "pair",
+                 "shared_tiles", "T", "ST", 1, "Backward: the shared expert's SwiGLU inputs recomputed.",
+                 routed=False),
+            gemm("bwd_shared_dgrad_down", "shared_dgrad_down", "dout", ("ws_down",), "gs", S, H, "store",
+                 "shared_tiles", "T", "ST", 1, "Backward: the shared down projection's input gradient.",
+                 routed=False, b_major="mn"),
+            swiglu_backward("bwd_shared_swiglu", spec, row_tile, shared=True),
+            gemm("bwd_shared_dgrad_gateup", "shared_dgrad_gateup", ("das", "dbs"), ("ws_gate", "ws_up"), "dx_shared",
+                 H, 2 * S, "store", "shared_tiles", "T", "ST", 1,
+                 "Backward: the shared gate/up projections' input gradient.", routed=False, b_major="mn",
+                 split_k=True),
+        ]
+        wgrads += [("wgrad_shared_down", "dout", "hsb", "d_ws_down", H, S, 1, "T", None, ""),
+                   ("wgrad_shared_gate", "das", "x", "d_ws_gate", S, H, 1, "T", None, ""),
+                   ("wgrad_shared_up", "dbs", "x", "d_ws_up", S, H, 1, "T", None, "")]
+    ks.append(reverse_combine(spec, target))
+    for name, a, b, c, m, n, groups, m_sym, counts, gathered in wgrads:
+        k = gemm(name, name, a, (b,), c, n, 64, "store", counts or "shared_tiles", m_sym, f"{groups}*ceil({m}/128)",
+                 groups, f"Backward: the weight gradient {c}, "
+                 + ("one expert's rows contracted per tile." if counts else "all T token rows contracted per tile."),
+                 wgrad_m=m, clustered=False, gather_mn=gathered)
+        if not counts:  # one group: its rows are A's rows (T), no counts to read
+            k.params["all_rows"] = True
+        ks.append(k)
     steps["backward_recompute"] = ["dispatch_count", "dispatch_scatter"] + [k.name for k in ks]
-    steps["backward"] = [s for s in steps["backward_recompute"] if s != "bwd_recompute"]
+    # With the training forward's saved tensors (SAVED_FOR_BACKWARD) the backward neither
+    # dispatches again nor recomputes; its tile counters start at zero (the runtime zeroes them).
+    steps["backward"] = [k.name for k in ks if not k.name.endswith("recompute")]
+    steps["forward_train"] = ["dispatch_count", "dispatch_scatter", "gemm_gateup_train", "gemm_down"] + (
+        ["shared_gateup_train", "shared_down"] if S else []) + ["combine"]
     decisions.append(
-        "backward: dispatch again (the forward's positions, deterministic); bwd_recompute stores x @ w_gate^T and "
-        "x @ w_up^T; bwd_dgrad_down gathers dout rows against w_down read MN-major (no transposed copy); "
-        "bwd_swiglu (one warp per row, fixed shuffle order) writes d_topk_weights = <g, h>, da, db, hw = w h and the "
-        "dout and x rows in dispatch order (zeros on padding rows, which the weight gradients then contract); "
-        "bwd_dgrad_gateup runs K over da|db against w_gate|w_up; bwd_combine sums dx over k in order; wgrad_* "
-        "contract each expert's rows in order in one CTA per output tile: every gradient is bitwise deterministic")
-    return ks
+        "backward: dispatch again (the forward's positions, deterministic); bwd_dgrad_down gathers dout rows against "
+        "w_down read MN-major (no transposed copy); bwd_swiglu (one warp per row, fixed shuffle order) writes "
+        "d_topk_weights = <g, h>, da, db, hw = w h and the x rows in dispatch order (zeros on padding rows, so the "
+        "weight gradients contract nothing there, whatever dout rows wgrad_down gathers for them); bwd_dgrad_gateup "
+        "runs K over da|db against w_gate|w_up; "
+        "bwd_combine sums dx over k in order" + (" and adds the shared expert's" if S else "") + "; wgrad_* contract "
+        "each expert's rows in order in one CTA per output tile: every gradient is bitwise deterministic")
+    decisions.append("forward_train (autograd's forward): the per-GEMM path whose gate/up GEMMs also store x @ w^T "
+                     "of gate and up (bf16, the bits the backward's recompute GEMMs give: same tile and K order); "
+                     "with them and dispatch's tables saved, the backward (steps backward) neither dispatches nor "
+                     "recomputes; steps backward_recompute start from the inputs alone, for callers that save memory")
+    return [train] + ([train_s] if S else []) + ks
+
+
+def swiglu_backward(name: str, spec: MoESpec, row_tile: int, shared: bool = False) -> KernelPlan:
+    """The SwiGLU backward (templates/swiglu_backward.py.j2) of the routed experts (rows in
+    dispatch order: weights, d_topk_weights, padding rows) or of the shared expert (rows = tokens)."""
+    K, H, width = spec.topk, spec.hidden, spec.shared_intermediate if shared else spec.intermediate
+    threads = SWIGLU_BWD_WARPS * 32
+    R, names = ("T", ("gs", "sa", "sb", "das", "dbs", "hsb")) if shared else ("M", ("g", "ga", "gb", "da", "db", "hw"))
+    args = [] if shared else [KernelArg("row_token", "row_token", "i32", ["M"]),
+                              KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                              KernelArg("pos", "pos", "i32", ["T", K]),
+                              KernelArg("weights", "topk_weights", "f32", ["T", K])]
+    args += [KernelArg(a, t, "bf16", [R, width]) for a, t in zip(("g", "ga", "gb"), names[:3])]
+    args += [KernelArg(a, t, "bf16", [R, width]) for a, t in zip(("da", "db", "hw"), names[3:])]
+    if not shared:
+        args += [KernelArg("d_weights", "d_topk_weights", "f32", ["T", K]), KernelArg("x", "x", "bf16", ["T", H]),
+                 KernelArg("xs", "xs", "bf16", ["M", H])]
+    return KernelPlan(name, "swiglu_backward", name, "swiglu_backward.py.j2", "main",
+                      dict(topk=K, hidden=H, intermediate=width, threads=threads, vec=VEC, tile_m=row_tile,
+                           shared=shared),
+                      args, grid=f"(ceil({R}/{SWIGLU_BWD_WARPS}),)", block=threads,
+                      warp_roles=["every warp: one row at a time" + ("" if shared else
+                                                                      "; padding rows get zeros")])
+
+
+def reverse_combine(spec: MoESpec, target: Target) -> KernelPlan:
+    """dx[t] = sum over k in order of the input gradients of t's rows (+ the shared expert's)."""
+    K, H, S = spec.topk, spec.hidden, spec.shared_intermediate
+    threads = simt_threads(H, target)
+    args = [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("pos", "pos", "i32", ["T", K]),
+            KernelArg("y", "dxs", "bf16", ["M", H])]
+    if S:
+        args.append(KernelArg("ys", "dx_shared", "bf16", ["T", H]))
+    args.append(KernelArg("out", "dx", "bf16", ["T", H]))
+    return KernelPlan("bwd_combine", "reduce", "bwd_combine", "combine.py.j2", "main",
+                      dict(experts=spec.local_experts, topk=K, hidden=H, threads=threads, vec=VEC, shared=bool(S),
+                           weighted=False),
+                      args, grid="(T,)", block=threads, warp_roles=["all warps: one token row, fixed k order"])

@@ -10,10 +10,10 @@ w = topk_weights[t, k], h = silu(a) * b, all in fp32:
     d_weights[t, k] = <g, h>                    (the lanes' partial sums, then a butterfly
                                                  reduction: a fixed order, the same bits every run)
     da = w g b silu'(a),  db = w g silu(a),  hw = w h        [rows, 1024] bf16
-    dout_rows[r] = dout[t],  xs[r] = x[t]                     [rows, 2048] bf16
+    xs[r] = x[t]                                             [rows, 2048] bf16
 
-Padding rows get zeros everywhere, so the weight-gradient GEMMs, which contract each
-expert's rows up to a multiple of 64, add nothing for them. Rows of unused M tiles are
+Padding rows get zeros, so the weight-gradient GEMMs, which contract each expert's rows up
+to a multiple of 64 (wgrad_down gathering dout rows, row 0 for padding), add nothing for them. Rows of unused M tiles are
 left alone (nothing reads them). 8 warps per CTA, 8 elements per lane access.
 """
 import cuda.bindings.driver as cuda
@@ -31,18 +31,38 @@ TILE_M = 128  # dispatch's row tile: tile_expert has one entry per TILE_M rows
 
 
 @cute.jit
-def copy_row(src: cute.Tensor, src_row: cutlass.Int32, dst: cute.Tensor, dst_row: cutlass.Int32,
-             cols: cutlass.Constexpr, lane: cutlass.Int32):
-    for col in cutlass.range(lane, cols // VEC, 32, unroll=2):
-        cute.local_tile(dst, (1, VEC), (dst_row, col)).store(cute.local_tile(src, (1, VEC), (src_row, col)).load())
-
-
-@cute.jit
 def zero_row(dst: cute.Tensor, row: cutlass.Int32, cols: cutlass.Constexpr, lane: cutlass.Int32):
     zero = cute.make_rmem_tensor((1, VEC), cutlass.BFloat16)
     zero.fill(0.0)
     for col in cutlass.range(lane, cols // VEC, 32, unroll=1):
         cute.local_tile(dst, (1, VEC), (row, col)).store(zero.load())
+
+
+@cute.jit
+def swiglu_row(g: cute.Tensor, ga: cute.Tensor, gb: cute.Tensor, da: cute.Tensor, db: cute.Tensor, hw: cute.Tensor,
+               r: cutlass.Int32, w: cutlass.Float32, lane: cutlass.Int32) -> cutlass.Float32:
+    """da, db, hw of row r (weight w); returns this lane's share of <g, h> (its columns in order)."""
+    dot = cutlass.Float32(0.0)
+    prod = cute.make_rmem_tensor((1, VEC), cutlass.Float32)
+    out = cute.make_rmem_tensor((1, VEC), cutlass.BFloat16)
+    for col in cutlass.range(lane, INTER // VEC, 32, unroll=1):
+        gv = cute.local_tile(g, (1, VEC), (r, col)).load().to(cutlass.Float32)
+        av = cute.local_tile(ga, (1, VEC), (r, col)).load().to(cutlass.Float32)
+        bv = cute.local_tile(gb, (1, VEC), (r, col)).load().to(cutlass.Float32)
+        sig = 1.0 / (1.0 + cute.math.exp(-av, fastmath=True))
+        silu = av * sig
+        h = silu * bv
+        prod.store(gv * h)
+        for v in cutlass.range_constexpr(VEC):
+            dot = dot + prod[v]
+        dh = gv * w
+        out.store((dh * bv * sig * (1.0 + av * (1.0 - sig))).to(cutlass.BFloat16))
+        cute.local_tile(da, (1, VEC), (r, col)).store(out.load())
+        out.store((dh * silu).to(cutlass.BFloat16))
+        cute.local_tile(db, (1, VEC), (r, col)).store(out.load())
+        out.store((h * w).to(cutlass.BFloat16))
+        cute.local_tile(hw, (1, VEC), (r, col)).store(out.load())
+    return dot
 
 
 @cute.kernel
@@ -54,14 +74,12 @@ def swiglu_backward_kernel(
     g: cute.Tensor,
     ga: cute.Tensor,
     gb: cute.Tensor,
-    dout: cute.Tensor,
-    x: cute.Tensor,
     da: cute.Tensor,
     db: cute.Tensor,
     hw: cute.Tensor,
-    dout_rows: cute.Tensor,
-    xs: cute.Tensor,
     d_weights: cute.Tensor,
+    x: cute.Tensor,
+    xs: cute.Tensor,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -74,7 +92,6 @@ def swiglu_backward_kernel(
                 zero_row(da, r, INTER, lane)
                 zero_row(db, r, INTER, lane)
                 zero_row(hw, r, INTER, lane)
-                zero_row(dout_rows, r, HIDDEN, lane)
                 zero_row(xs, r, HIDDEN, lane)
             else:
                 w = cutlass.Float32(0.0)
@@ -83,47 +100,24 @@ def swiglu_backward_kernel(
                     if pos[t, k] == r:
                         w = weights[t, k]
                         slot = k
-                dot = cutlass.Float32(0.0)
-                prod = cute.make_rmem_tensor((1, VEC), cutlass.Float32)
-                out = cute.make_rmem_tensor((1, VEC), cutlass.BFloat16)
-                for col in cutlass.range(lane, INTER // VEC, 32, unroll=1):
-                    gv = cute.local_tile(g, (1, VEC), (r, col)).load().to(cutlass.Float32)
-                    av = cute.local_tile(ga, (1, VEC), (r, col)).load().to(cutlass.Float32)
-                    bv = cute.local_tile(gb, (1, VEC), (r, col)).load().to(cutlass.Float32)
-                    sig = 1.0 / (1.0 + cute.math.exp(-av, fastmath=True))
-                    silu = av * sig
-                    h = silu * bv
-                    prod.store(gv * h)
-                    for v in cutlass.range_constexpr(VEC):
-                        dot = dot + prod[v]
-                    dh = gv * w
-                    out.store((dh * bv * sig * (1.0 + av * (1.0 - sig))).to(cutlass.BFloat16))
-                    cute.local_tile(da, (1, VEC), (r, col)).store(out.load())
-                    out.store((dh * silu).to(cutlass.BFloat16))
-                    cute.local_tile(db, (1, VEC), (r, col)).store(out.load())
-                    out.store((h * w).to(cutlass.BFloat16))
-                    cute.local_tile(hw, (1, VEC), (r, col)).store(out.load())
-                dot = cute.arch.warp_reduction_sum(dot)
+                dot = cute.arch.warp_reduction_sum(swiglu_row(g, ga, gb, da, db, hw, r, w, lane))
                 if lane == 0:
                     d_weights[t, slot] = dot
-                copy_row(dout, t, dout_rows, r, HIDDEN, lane)
-                copy_row(x, t, xs, r, HIDDEN, lane)
+                for col in cutlass.range(lane, HIDDEN // VEC, 32, unroll=2):
+                    cute.local_tile(xs, (1, VEC), (r, col)).store(cute.local_tile(x, (1, VEC), (t, col)).load())
 
 
 class SwigluBackward:
     @cute.jit
     def __call__(self, row_token: cute.Tensor, tile_expert: cute.Tensor, pos: cute.Tensor, weights: cute.Tensor,
-                 g: cute.Tensor, ga: cute.Tensor, gb: cute.Tensor, dout: cute.Tensor, x: cute.Tensor,
-                 da: cute.Tensor, db: cute.Tensor, hw: cute.Tensor, dout_rows: cute.Tensor, xs: cute.Tensor,
-                 d_weights: cute.Tensor, stream: cuda.CUstream):
+                 g: cute.Tensor, ga: cute.Tensor, gb: cute.Tensor, da: cute.Tensor, db: cute.Tensor, hw: cute.Tensor,
+                 d_weights: cute.Tensor, x: cute.Tensor, xs: cute.Tensor, stream: cuda.CUstream):
         rows = row_token.shape[0]
-        swiglu_backward_kernel(row_token, tile_expert, pos, weights, g, ga, gb, dout, x, da, db, hw, dout_rows, xs,
-                               d_weights).launch(
+        swiglu_backward_kernel(row_token, tile_expert, pos, weights, g, ga, gb, da, db, hw, d_weights, x, xs).launch(
             grid=((rows + WARPS - 1) // WARPS, 1, 1), block=(THREADS, 1, 1), stream=stream
         )
 
 
 def compile_entry(fake, entry):
-    names = ("row_token", "tile_expert", "pos", "weights", "g", "ga", "gb", "dout", "x", "da", "db", "hw",
-             "dout_rows", "xs", "d_weights")
+    names = ("row_token", "tile_expert", "pos", "weights", "g", "ga", "gb", "da", "db", "hw", "d_weights", "x", "xs")
     return SwigluBackward(), tuple(fake(n) for n in names) + (fake.stream(),)

@@ -1,0 +1,50 @@
+"""The torch ops' schemas, fake implementations and autograd formulas, on the CPU: a stand-in
+variant (its Plan, no kernels) registers the ops, and fake tensors run forward and backward
+through autograd, so the shapes of every saved tensor and gradient are checked without a GPU."""
+import types
+
+import pytest
+
+from mokgen.ir import PRESETS, MoESpec
+
+torch = pytest.importorskip("torch")
+
+SPECS = [PRESETS["olmoe"], PRESETS["deepseek-v2-lite"], MoESpec(experts=40, topk=6, hidden=1536, intermediate=640)]
+
+
+def stand_in_ops(spec, suffix):
+    from mokgen.runtime import variant as V
+    from mokgen.schedule.plan import make_plan
+
+    v = types.SimpleNamespace(name=f"{spec.variant}_{suffix}", spec=spec, plan=make_plan(spec).to_dict())
+    v.saved_shapes = lambda T: V.Variant.saved_shapes(v, T)
+    return V._register_ops(v)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.variant)
+@pytest.mark.parametrize("train", [True, False], ids=["forward_train", "forward_recompute"])
+def test_autograd_through_the_ops_on_fake_tensors(spec, train):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops = stand_in_ops(spec, f"cpu{int(train)}")
+    E, K, H, I, S = spec.experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
+    with FakeTensorMode():
+        def leaf(*shape, dtype=torch.bfloat16):
+            return torch.empty(*shape, dtype=dtype).requires_grad_(True)
+
+        T = 333
+        x, w = leaf(T, H), leaf(T, K, dtype=torch.float32)
+        ids = torch.empty(T, K, dtype=torch.int32)
+        params = [leaf(E, I, H), leaf(E, I, H), leaf(E, H, I)]
+        shared = [leaf(S, H), leaf(S, H), leaf(H, S)] if S else [None, None, None]
+        if train:
+            outs = ops.forward_train(x, ids, w, *params, *shared)
+            shapes = ops.variant.saved_shapes(T)
+            assert [tuple(o.shape) for o in outs[1:3]] == [shapes["ga"], shapes["gb"]]
+            assert not any(o.requires_grad for o in outs[1:])  # saved for the backward, not differentiable
+            out = outs[0]
+        else:
+            out = ops.forward(x, ids, w, *params, *shared)
+        out.float().sum().backward()
+        leaves = [x, w] + params + ([t for t in shared] if S else [])
+        assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
