@@ -11,7 +11,10 @@ SPECS = [PRESETS["olmoe"], PRESETS["deepseek-v3"], MoESpec(experts=40, topk=6, h
 def test_plan_carries_the_fused_task_graph(spec):
     tg = make_plan(spec).task_graph
     names = [k["name"] for k in tg["kinds"]]
-    assert names[:5] == ["route", "count", "scatter", "gateup", "down"] and names[-1] == "combine"
+    routed = [n for n in names if not n.startswith("shared")]
+    assert routed == ["route", "count", "scatter", "gateup", "down", "combine"]
+    if spec.shared_intermediate:  # shared gate/up right after the routed gate/up, shared down after down
+        assert names.index("shared_gateup") == 4 and names.index("shared_down") == names.index("down") + 1
     assert ("shared_gateup" in names) == bool(spec.shared_intermediate)
     prios = [k["priority"] for k in tg["kinds"]]
     assert prios == sorted(prios)
@@ -60,3 +63,21 @@ def test_show_prices_a_fused_gemm_plan_like_the_two_gemms_it_runs():
     fused = make_plan(PRESETS["olmoe"], overrides={"fuse_gemms": True})
     assert "gemm_fused" in format_plan(fused.to_dict())
     assert fused.task_graph == plain.task_graph  # the same model: same tiles, same rates
+
+
+def test_the_single_launch_claims_its_tiles_in_the_task_graph_order():
+    from mokgen.ir import MoESpec
+    from mokgen.schedule.plan import make_plan
+    from mokgen.schedule.taskgraph import fused_tile_order
+
+    spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
+    plan = make_plan(spec)
+    order = fused_tile_order(plan.task_graph)
+    assert order == ["gateup", "shared_gateup", "down", "shared_down"]
+    assert plan.kernel("gemm_fused").params["tile_order"] == order
+    # A task graph in which down tiles would be claimed before the gate/up tiles they wait
+    # on is refused: a tile may only wait on tiles claimed before it.
+    bad = dict(plan.task_graph, kinds=[dict(k, priority=9) if k["name"] == "gateup" else k
+                                       for k in plan.task_graph["kinds"]])
+    with pytest.raises(ValueError, match="down tiles wait on gateup tiles"):
+        fused_tile_order(bad)

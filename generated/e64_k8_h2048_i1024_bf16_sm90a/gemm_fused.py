@@ -114,19 +114,25 @@ def tile_at(tile: cutlass.Int32, m_tiles_total: cutlass.Int32, tile_expert: cute
     return m_tile, n_tile, tile_expert[m_tile]
 
 
+
 @cute.jit
 def fused_tile_at(tile: cutlass.Int32, used_m_tiles: cutlass.Int32, tile_expert: cute.Tensor):
-    """(kind, M tile, N tile, expert) of a linear tile index: the first used_m_tiles * N_TILES
-    are gate/up tiles, then come the down tiles; all M-major. Shared tiles have expert 0 (their one weight group)."""
+    """(kind, M tile, N tile, expert) of a linear tile index. The tile kinds follow each
+    other in the Plan's task-graph order (gateup, down), each M-major;
+    a kind comes after every kind it waits on. Shared tiles have expert 0 (their one weight group)."""
     kind = cutlass.Int32(GATEUP)
-    m_tile = tile // N_TILES
-    n_tile = tile % N_TILES
-    expert = cutlass.Int32(0)
-    first_down = used_m_tiles * N_TILES
-    if tile >= first_down:
+    m_tile = cutlass.Int32(0)
+    n_tile = cutlass.Int32(0)
+    start = cutlass.Int32(0)
+    if tile >= start:  # gateup tiles from here
+        kind = GATEUP
+        m_tile = (tile - start) // N_TILES
+        n_tile = (tile - start) % N_TILES
+    start = start + used_m_tiles * N_TILES
+    if tile >= start:  # down tiles from here
         kind = DOWN
-        m_tile = (tile - first_down) // N2_TILES
-        n_tile = (tile - first_down) % N2_TILES
+        m_tile = (tile - start) // N2_TILES
+        n_tile = (tile - start) % N2_TILES
     expert = tile_expert[m_tile]
     return kind, m_tile, n_tile, expert
 

@@ -19,7 +19,7 @@ from .. import __version__
 from ..ir import Graph, MoESpec, backward_graph, forward_graph
 from ..ir.graph import T
 from .target import Target, target_for
-from .taskgraph import forward_task_graph, gemm_model_params
+from .taskgraph import forward_task_graph, fused_tile_order, gemm_model_params
 
 PLAN_FORMAT = 1
 
@@ -499,6 +499,14 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 
     steps["route"] = ["route"]
     kernels = [k for k in kernels if any(k.name in entry for entry in steps.values())]  # nothing unused is built
+    task_graph = forward_task_graph(spec, gemm_model_params({k.name: k.params for k in kernels}), target).to_dict()
+    for k in kernels:  # the single launch claims its tiles in the task graph's order
+        if k.params.get("fused"):
+            try:
+                k.params = dict(k.params, tile_order=[t for t in fused_tile_order(task_graph)
+                                                      if S or not t.startswith("shared")])
+            except ValueError as e:
+                raise PlanError(str(e)) from None
     plan = Plan(
         format=PLAN_FORMAT,
         mokgen_version=__version__,
@@ -515,8 +523,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         flops=str(graph.flops()),
         decisions=decisions,
         overrides=dict(overrides or {}),
-        task_graph=forward_task_graph(spec, gemm_model_params({k.name: k.params for k in kernels}),
-                                      target).to_dict(),
+        task_graph=task_graph,
         fused_max_tokens=FUSED_MAX_TOKENS if paths == "by_tokens" else 0,
         zeroed={"backward": ["tile_counters"]} if backward else {},
     )

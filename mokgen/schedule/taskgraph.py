@@ -60,6 +60,24 @@ def _e(x) -> str:
     return str(sympy.simplify(x))
 
 
+GEMM_TILE_TASKS = ("gateup", "shared_gateup", "down", "shared_down")  # the kinds a GEMM launch runs
+# A task kind and the kinds whose counters it waits on: they must be claimed before it.
+TILE_TASK_DEPS = {"down": ("gateup",), "shared_down": ("shared_gateup",)}
+
+
+def fused_tile_order(task_graph: dict) -> list[str]:
+    """The order in which the single launch claims its GEMM tiles: the task graph's GEMM
+    tile kinds by priority. A kind must come after every kind it waits on, so that a tile
+    only ever waits on tiles claimed before it (no deadlock)."""
+    kinds = sorted((k for k in task_graph["kinds"] if k["name"] in GEMM_TILE_TASKS), key=lambda k: k["priority"])
+    order = [k["name"] for k in kinds]
+    for kind, deps in TILE_TASK_DEPS.items():
+        for dep in deps:
+            if kind in order and (dep not in order or order.index(dep) > order.index(kind)):
+                raise ValueError(f"task graph: {kind} tiles wait on {dep} tiles, which must be claimed first")
+    return order
+
+
 def gemm_model_params(params_by_kernel: dict) -> dict:
     """Kernel params by name, with the fused routed GEMM (if the Plan has one) seen as the
     gate/up and down GEMMs it runs, which is what the cost model prices."""
@@ -92,7 +110,7 @@ def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
         TaskKind("gateup", "gemm_gateup", f"{bm}x{gu['tile_n']} tile of h", _e(m_tiles * ng),
                  "placed[expert(m)] == 1", "h_ready[m] += 1", 3),
         TaskKind("down", "gemm_down", f"{bm}x{dn['tile_n']} tile of y", _e(m_tiles * nd),
-                 f"h_ready[m] == {ng}", "y_done += 1", 4),
+                 f"h_ready[m] == {ng}", "y_done += 1", 5),
     ]
     counters = [
         Counter("routed", "1", "route blocks finished"),
@@ -107,17 +125,17 @@ def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
         s_tiles = sympy.ceiling(T / bm)
         nsg = math.ceil(sg["n_size"] / sg["tile_n"])
         nsd = math.ceil(sd["n_size"] / sd["tile_n"])
-        kinds += [
-            TaskKind("shared_gateup", "shared_gateup", f"{bm}x{sg['tile_n']} tile of hs", _e(s_tiles * nsg), "-",
-                     "hs_ready[s] += 1", 5, fill=True),
-            TaskKind("shared_down", "shared_down", f"{bm}x{sd['tile_n']} tile of ys", _e(s_tiles * nsd),
-                     f"hs_ready[s] == {nsg}", "ys_ready[s] += 1", 5, fill=True),
-        ]
+        # The shared expert's gate/up tasks come right after the routed ones (they fill the SMs
+        # that would wait for h_ready), its down tasks after the routed down tasks.
+        kinds.insert(4, TaskKind("shared_gateup", "shared_gateup", f"{bm}x{sg['tile_n']} tile of hs",
+                                 _e(s_tiles * nsg), "-", "hs_ready[s] += 1", 4, fill=True))
+        kinds.append(TaskKind("shared_down", "shared_down", f"{bm}x{sd['tile_n']} tile of ys", _e(s_tiles * nsd),
+                              f"hs_ready[s] == {nsg}", "ys_ready[s] += 1", 6, fill=True))
         counters += [Counter("hs_ready", _e(s_tiles), "shared gate/up tiles finished per M tile"),
                      Counter("ys_ready", _e(s_tiles), "shared down tiles finished per M tile")]
         combine_wait += f" and ys_ready[block] == {nsd}"
     kinds.append(TaskKind("combine", "reduce", f"{COMBINE_TOKENS} tokens", _e(sympy.ceiling(T / COMBINE_TOKENS)),
-                          combine_wait + " (per 128-token block)" if S else combine_wait, "-", 6))
+                          combine_wait + " (per 128-token block)" if S else combine_wait, "-", 7))
     return TaskGraph(
         kinds=kinds,
         counters=counters,
