@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .module import experts_torch, torch_grouped_mm, torch_shared_expert
 from .reference import moe_reference, rel_error
 from .verify import make_inputs
 
@@ -30,31 +31,6 @@ def baseline_weights(wg, wu, sg=None, su=None, sd=None):
     """The baselines' weights, concatenated once outside the timed region: w13 = [w_gate;
     w_up] per expert, and (ws13, ws_down) for a shared expert (None without one)."""
     return torch.cat([wg, wu], dim=1), ((torch.cat([sg, su], dim=0), sd) if sg is not None else None)
-
-
-def torch_shared_expert(x, ws13, ws_down, out):
-    """Adds the shared expert (every token) to the fp32 accumulator, as dense bf16 matmuls."""
-    S = ws_down.shape[1]
-    hs13 = x @ ws13.t()
-    out += ((F.silu(hs13[:, :S]) * hs13[:, S:]) @ ws_down.t()).float()
-
-
-def torch_grouped_mm(x, ids, w, w13, wd, I, shared=None):
-    """shared: (ws13 = [ws_gate; ws_up], ws_down) when the layer has a shared expert."""
-    T, _ = x.shape
-    E, K = wd.shape[0], ids.shape[1]
-    flat = ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    tok = order // K
-    h13 = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
-    h = F.silu(h13[:, :I]) * h13[:, I:]
-    y = torch._grouped_mm(h, wd.transpose(1, 2), offs=offs)
-    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
-    out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None])
-    if shared is not None:
-        torch_shared_expert(x, *shared, out)
-    return out.to(x.dtype)
 
 
 def torch_loop(x, ids, w, wg, wu, wd, shared=None):
@@ -189,7 +165,6 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
     (a shared expert as dense bf16 matmuls). FLOPs 3x the forward's (the backward does twice
     the forward's work). The first call's gradients are checked against float64 autograd of
     the reference."""
-    from .module import experts_torch
     from .reference import moe_reference_backward
     from .runtime import moe
     from .verify import GRADIENTS, SHARED_GRADIENTS

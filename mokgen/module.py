@@ -24,24 +24,39 @@ def route_torch(logits: torch.Tensor, topk: int, renormalize: bool):
     return ids.to(torch.int32), weights
 
 
-def experts_torch(x, ids, weights, w_gate, w_up, w_down, shared=None):
-    """The layer (DESIGN.md section 1) on PyTorch ops with autograd: tokens sorted by expert,
-    torch._grouped_mm for gate/up and down, a weighted index_add combine."""
-    T, H = x.shape
-    E, K, I = w_gate.shape[0], ids.shape[1], w_gate.shape[1]
+def torch_shared_expert(x, ws13, ws_down, out):
+    """Adds the shared expert (every token) to the fp32 accumulator, as dense bf16 matmuls."""
+    S = ws_down.shape[1]
+    hs13 = x @ ws13.t()
+    out += ((F.silu(hs13[:, :S]) * hs13[:, S:]) @ ws_down.t()).float()
+
+
+def torch_grouped_mm(x, ids, w, w13, wd, I, shared=None):
+    """The layer (DESIGN.md section 1) as a PyTorch user writes it, differentiable: tokens
+    sorted by expert, torch._grouped_mm for gate/up (w13 = [w_gate; w_up] per expert) and
+    down, SwiGLU, a weighted index_add combine. shared: (ws13 = [ws_gate; ws_up], ws_down)
+    when the layer has a shared expert. The benchmarks' baseline."""
+    T, _ = x.shape
+    E, K = wd.shape[0], ids.shape[1]
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
     tok = order // K
-    h13 = torch._grouped_mm(x[tok], torch.cat([w_gate, w_up], dim=1).transpose(1, 2), offs=offs)
+    h13 = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
     h = F.silu(h13[:, :I]) * h13[:, I:]
-    y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
-    out = torch.zeros(T, H, device=x.device, dtype=torch.float32)
-    out = out.index_add(0, tok, y.float() * weights.reshape(-1)[order, None])
+    y = torch._grouped_mm(h, wd.transpose(1, 2), offs=offs)
+    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None])
     if shared is not None:
-        sg, su, sd = shared
-        out = out + ((F.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()).float()
+        torch_shared_expert(x, *shared, out)
     return out.to(x.dtype)
+
+
+def experts_torch(x, ids, weights, w_gate, w_up, w_down, shared=None):
+    """torch_grouped_mm on separate weights (shared: (ws_gate, ws_up, ws_down) or None); the
+    concatenations are part of the autograd graph."""
+    shared13 = (torch.cat([shared[0], shared[1]], dim=0), shared[2]) if shared is not None else None
+    return torch_grouped_mm(x, ids, weights, torch.cat([w_gate, w_up], dim=1), w_down, w_gate.shape[1], shared13)
 
 
 class MoE(nn.Module):

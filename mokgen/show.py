@@ -1,6 +1,8 @@
 """Plain-text rendering of a Plan (for `mokgen show`)."""
 from __future__ import annotations
 
+from .schedule.plan import backward_decision
+
 
 def _table(rows: list[list[str]], head: list[str]) -> list[str]:
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
@@ -35,8 +37,7 @@ def format_plan(plan: dict) -> str:
             out.append(f"          {what}: " + " -> ".join(plan["steps"][entry])
                        + (f" (the runtime zeroes {', '.join(zeroed)} first)" if zeroed else ""))
     if "backward" not in plan["steps"]:
-        out.append("          " + next((d for d in plan.get("decisions", []) if d.startswith("backward:")),
-                                       "backward: not generated"))
+        out.append("          " + backward_decision(plan))
     rows = []
     for k in plan["kernels"]:
         p = k["params"]

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..ir import MoESpec
 from ..ir.graph import T as T_SYM
-from ..schedule.plan import BAD_IDS_CODE, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS
+from ..schedule.plan import BAD_IDS_CODE, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
 from .checks import InputError
 from .library import Launcher, cuda_stream, open_library
 
@@ -269,7 +269,7 @@ class Variant:
         return tuple(grads)
 
     def why_no_backward(self) -> str:
-        return next((d for d in self.plan.get("decisions", []) if d.startswith("backward:")), "no backward in the Plan")
+        return backward_decision(self.plan)
 
     def route(self, logits):
         tokens = logits.shape[0]

@@ -345,7 +345,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         [groups, K, N]), split_k (a = (a0, a1) and b = (b0, b1) along K), wgrad_m (weight
         gradients [groups, wgrad_m, n] contracted over each group's rows; k is unused; gather_mn
         "a" or "b": that operand's rows gathered from token rows through row_token)."""
-        tile_m = 128 if wgrad_m else row_tile  # a weight-gradient tile runs over H or I, not rows
+        tile_m = WGRAD_TILE_M if wgrad_m else row_tile  # a weight-gradient tile runs over H or I, not rows
         tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a or bool(gather_mn),
                                 (overrides or {}).get(f"{name}.tile_n"), (overrides or {}).get(f"{name}.epi_stages"))
         cs = c if isinstance(c, tuple) else (c,)
@@ -705,8 +705,15 @@ BACKWARD_GEMMS = ["gemm_gateup_train", "bwd_recompute", "bwd_dgrad_down", "bwd_d
                   "wgrad_gate", "wgrad_up"]
 SHARED_BACKWARD_GEMMS = ["shared_gateup_train", "bwd_shared_recompute", "bwd_shared_dgrad_down",
                          "bwd_shared_dgrad_gateup", "wgrad_shared_down", "wgrad_shared_gate", "wgrad_shared_up"]
+# M tile of the weight-gradient GEMMs (over H or I): both MMA warpgroups.
+WGRAD_TILE_M = 2 * WGMMA_ROWS
 # Rows (token, slot pairs) per CTA of the SwiGLU backward: one warp each.
 SWIGLU_BWD_WARPS = 8
+
+
+def backward_decision(plan: dict) -> str:
+    """The decision that says whether (and how) a Plan (as a dict) has the backward."""
+    return next((d for d in plan.get("decisions", []) if d.startswith("backward:")), "backward: not in the Plan")
 
 
 def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, str]:
@@ -778,7 +785,7 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
                    ("wgrad_shared_up", "dbs", "x", "d_ws_up", S, H, 1, "T", None, "")]
     ks.append(reverse_combine(spec, target))
     for name, a, b, c, m, n, groups, m_sym, counts, gathered in wgrads:
-        k = gemm(name, name, a, (b,), c, n, 64, "store", counts or "shared_tiles", m_sym, f"{groups}*ceil({m}/128)",
+        k = gemm(name, name, a, (b,), c, n, 64, "store", counts or "shared_tiles", m_sym, f"{groups}*ceil({m}/{WGRAD_TILE_M})",
                  groups, f"Backward: the weight gradient {c}, "
                  + ("one expert's rows contracted per tile." if counts else "all T token rows contracted per tile."),
                  wgrad_m=m, clustered=False, gather_mn=gathered)
