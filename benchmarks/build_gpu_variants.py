@@ -18,6 +18,9 @@ force = "--force" in sys.argv
 specs = [spec_of(s) for s in SHAPES]
 specs += [MoESpec(**{**spec_of(s).to_dict(), "renormalize": True}) for s in SHAPES[:4]]
 specs.append(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048))  # the bench's DeepSeek-V3 layer
+from test_expert_parallel_gpu import EP_SHAPES, ep_spec  # noqa: E402
+
+specs += [ep_spec(s) for s in EP_SHAPES]  # expert parallel over 2 GPUs
 for i, spec in enumerate(specs):
     print(f"[{i + 1}/{len(specs) + 1}] {spec.variant}", flush=True)
     build(spec, default_out(), force=force, log=lambda m: None)

@@ -33,6 +33,13 @@ def check_errors():
     _check()
 
 
+def release_peer_workspaces():
+    """Free the expert-parallel peer workspaces (call it on every rank of the group together)."""
+    from .runtime import release_peer_workspaces as _release
+
+    _release()
+
+
 def route(router_logits, topk: int, *, renormalize: bool = False, experts_spec=None):
     """Router logits [T, E] (fp32) -> (topk_ids int32 [T, K], topk_weights fp32 [T, K])."""
     from .runtime import route as _route
@@ -48,4 +55,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'mokgen' has no attribute {name!r}")
 
 
-__all__ = ["MoE", "MoESpec", "SpecError", "check_errors", "load", "moe", "route", "__version__"]
+__all__ = ["MoE", "MoESpec", "SpecError", "check_errors", "load", "moe", "release_peer_workspaces", "route",
+           "__version__"]

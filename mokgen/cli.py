@@ -85,7 +85,9 @@ def main():
               default=None, help="Build the spec recorded in a variant's manifest.json (other spec flags ignored).")
 @click.option("--profile", is_flag=True,
               help="Profiling build (under <out>/profile): every task records its SM and times for `mokgen profile`.")
-def build(spec, out, jobs, force, no_compile, manifest, profile):
+@click.option("--comm-sms", type=int, default=None,
+              help="Expert parallel: CTAs (one per SM) of the send and return kernels (default: the cost model's).")
+def build(spec, out, jobs, force, no_compile, manifest, profile, comm_sms):
     """Plan, render and compile one MoE layer. With no flags: the OLMoE-1B-7B layer."""
     from .codegen import BuildError, build as do_build
     from .codegen.build import build_profiling
@@ -97,8 +99,22 @@ def build(spec, out, jobs, force, no_compile, manifest, profile):
         except (KeyError, ValueError) as e:
             fail(f"{manifest} is not a mokgen manifest: {e}")
 
+    kw = {}
+    if comm_sms is not None:
+        if spec.world_size == 1:
+            fail("--comm-sms needs --world-size > 1 (it sizes the expert-parallel send and return kernels)")
+        if profile:
+            fail("--comm-sms and --profile together are not supported")
+        from .codegen import default_out
+        from .codegen.build import resolve_plan
+
+        try:
+            kw["overrides"] = {**resolve_plan(spec, out or default_out()).overrides, "comm_sms": comm_sms}
+        except (PlanError, SpecError) as e:
+            fail(str(e))
     try:
-        path = (build_profiling if profile else do_build)(spec, out, jobs=jobs, force=force, compile=not no_compile)
+        path = (build_profiling if profile else do_build)(spec, out, jobs=jobs, force=force, compile=not no_compile,
+                                                          **kw)
     except (PlanError, SpecError) as e:
         fail(str(e))
     except BuildError as e:

@@ -22,6 +22,8 @@ def format_plan(plan: dict) -> str:
         f"FLOPs     {plan['flops']} (routed forward)",
         "SM roles  " + ", ".join(f"{k}: {v}" for k, v in plan["sm_roles"].items()),
         f"queues    {len(plan['queues']) or 'none (one GPU)'}",
+        *(f"          {q['name']}: {q['direction']}, {q['slots']} slots of {q['slot_bytes']} B (C = tokens per rank "
+          f"the peer workspace holds), order {q['order']}, announced by {q['flag']}" for q in plan["queues"]),
         f"reduction {plan['reduction_order']}",
         "",
         "kernels (launch order: " + " -> ".join(plan["steps"]["forward"]) + "; route: "

@@ -40,3 +40,33 @@ def test_error_codes_become_the_right_exception():
     assert isinstance(e, InputError) and "outside [0, 64)" in str(e)
     e = status_error("v", 64, {0: "gemm_fused"}, 16 + 4, 500)
     assert isinstance(e, KernelTimeout) and "gemm_fused" in str(e) and "h_ready" in str(e)
+    # expert parallel: which message from which rank never came
+    from mokgen.schedule.expert_parallel import EP_ERROR, FLAG_KINDS
+
+    e = status_error("v", 64, {}, EP_ERROR + FLAG_KINDS.index("rows") * 4096 + 1, 10_000)
+    assert isinstance(e, KernelTimeout) and "rank 1's rows never arrived" in str(e)
+    assert "release_peer_workspaces" in str(e)
+
+
+def test_expert_parallel_call_checks_before_any_work():
+    """Gradients are refused with a clear message before any GPU work (the expert-parallel
+    backward is not generated yet); so is a bad max_tokens."""
+    from mokgen.runtime import _moe_expert_parallel
+
+    class Group:  # stands in for a process group of 2 ranks
+        pass
+
+    import torch.distributed as dist
+
+    x = torch.zeros(4, 64, requires_grad=True)
+    orig = dist.get_world_size
+    dist.get_world_size = lambda group=None: 2
+    try:
+        with pytest.raises(NotImplementedError, match="backward is not generated yet"):
+            _moe_expert_parallel(x, None, None, None, None, None, None, None, None, (4, 2, 64, 64, 0), True, Group(),
+                                 None)
+        with pytest.raises(InputError, match="max_tokens"):
+            _moe_expert_parallel(x, None, None, None, None, None, None, None, None, (4, 2, 64, 64, 0), True, Group(),
+                                 0)
+    finally:
+        dist.get_world_size = orig

@@ -1,5 +1,5 @@
 """mokgen IR: the validated spec and the stage graph (pure Python + sympy)."""
-from .graph import T, Graph, Stage, TensorType, backward_graph, forward_graph
+from .graph import C, T, Graph, Stage, TensorType, backward_graph, forward_graph
 from .spec import DEFAULT_PRESET, PRESETS, MoESpec, SpecError
 
-__all__ = ["T", "Graph", "Stage", "TensorType", "forward_graph", "backward_graph", "MoESpec", "SpecError", "PRESETS", "DEFAULT_PRESET"]
+__all__ = ["C", "T", "Graph", "Stage", "TensorType", "forward_graph", "backward_graph", "MoESpec", "SpecError", "PRESETS", "DEFAULT_PRESET"]

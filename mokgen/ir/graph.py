@@ -14,6 +14,9 @@ import sympy
 from .spec import MoESpec
 
 T = sympy.Symbol("T", integer=True, nonnegative=True)
+# Expert parallelism: the tokens per rank a peer workspace holds (what a rank may receive
+# depends on every rank's T, so buffers that receive are sized from this bound, not from T).
+C = sympy.Symbol("C", integer=True, positive=True)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,11 @@ def forward_graph(spec: MoESpec, fused_route: bool = False) -> Graph:
     gemm_down         h -> y = h @ w_down^T
     shared_* (opt.)   x -> hs -> ys, the dense shared expert
     reduce            out = bf16(sum_k w[t,k] * y[pos[t,k]] + ys[t])
+
+    Expert parallel (world_size W > 1, E/W experts per rank): send groups the rank's rows
+    by global expert; send_peers moves each row to the rank owning its expert (xr, grouped
+    by local expert, then source rank); the GEMMs run on xr; return moves each result row
+    back to the rank its token lives on (y, in send's order); reduce as above.
     """
     K, H, I, S = spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
     R = T * K  # routed (token, slot) rows
@@ -113,13 +121,21 @@ def forward_graph(spec: MoESpec, fused_route: bool = False) -> Graph:
         inputs = ["x", "logits", "w_gate", "w_up", "w_down"]
         stages.append(Stage("route", "route", ("logits",), ("topk_ids", "topk_weights"),
                             attrs={"renormalize": spec.renormalize}))
+    stages.append(Stage("send", "send", ("x", "topk_ids"), ("xs", "pos")))
+    a, c = "xs", "y"
+    if spec.world_size > 1:  # rows received from every rank: bounded by W * C * K
+        tensors += [TensorType("xr", (spec.world_size * C * K, H), "bf16"),
+                    TensorType("yr", (spec.world_size * C * K, H), "bf16")]
+        stages.append(Stage("send_peers", "send", ("xs",), ("xr",), attrs={"link": spec.topology}))
+        a, c = "xr", "yr"
     stages += [
-        Stage("send", "send", ("x", "topk_ids"), ("xs", "pos")),
-        Stage("gemm_gateup", "gemm", ("xs", "w_gate", "w_up"), ("h",), flops=4 * R * H * I,
+        Stage("gemm_gateup", "gemm", (a, "w_gate", "w_up"), ("h",), flops=4 * R * H * I,
               attrs={"epilogue": "swiglu", "routed": True}),
-        Stage("gemm_down", "gemm", ("h", "w_down"), ("y",), flops=2 * R * I * H,
+        Stage("gemm_down", "gemm", ("h", "w_down"), (c,), flops=2 * R * I * H,
               attrs={"epilogue": "store", "routed": True}),
     ]
+    if spec.world_size > 1:
+        stages.append(Stage("return", "send", ("yr",), ("y",), attrs={"link": spec.topology}))
     reduce_inputs = ["y", "pos", "topk_ids", "topk_weights"]
     if S:
         tensors += [

@@ -82,14 +82,24 @@ def _find_built(want: dict) -> Variant | None:
     return None
 
 
-def find_variant(E, K, H, I, S) -> Variant:
-    """The variant serving these shapes: an existing build whose spec matches, else a new build."""
-    want = dict(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=1)
-    return _find_built(want) or load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S))
+def find_variant(E, K, H, I, S, world_size: int = 1) -> Variant:
+    """The variant serving these shapes (E: all experts of the group): an existing build whose
+    spec matches, else a new build."""
+    key = (str(variants_root()), E, K, H, I, S, world_size)
+    if key not in _BY_SHAPE:  # (found once per process: the lookup reads manifests)
+        topology = "nvlink" if world_size > 1 else "single"
+        want = dict(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=world_size)
+        _BY_SHAPE[key] = _find_built(want) or load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I,
+                                                           shared_intermediate=S, world_size=world_size,
+                                                           topology=topology))
+    return _BY_SHAPE[key]
+
+
+_BY_SHAPE: dict[tuple, Variant] = {}
 
 
 def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
-        check_ids: bool = True, recompute: bool = False):
+        check_ids: bool = True, recompute: bool = False, group=None, max_tokens: int | None = None):
     """out[t] = bf16(sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) + shared(x)[t]).
 
     Checks every input before any launch. check_ids also checks the values (ids in range, x
@@ -101,10 +111,21 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     the SwiGLU inputs x @ w_gate^T, x @ w_up^T (2 x ~T*K x I bf16, + 2 x T x Is with a shared
     expert); recompute=True saves the inputs only and the backward recomputes the rest (one
     more gate/up GEMM per expert kind).
+
+    Expert parallel: group is the process group whose ranks share the experts (one GPU each,
+    linked by NVLink). Each rank passes its own tokens and its E/W local experts' weights
+    (rank r owns global experts r*E/W .. (r+1)*E/W - 1); topk_ids are global. Every rank must
+    make the same calls in the same order (a rank that does not take part is reported as a
+    KernelTimeout on the others, never a hang). The group's peer workspace is made by the
+    first call, for max_tokens tokens per rank (default: the largest T of that first call
+    over the group). Forward only for now.
     """
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
     E, K, H, I, S = check_moe_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    if group is not None:
+        return _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                                    (E, K, H, I, S), check_ids, group, max_tokens)
     try:
         v = find_variant(E, K, H, I, S)
     except Exception as e:  # spec errors name the offending size
@@ -118,6 +139,40 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     if training and not recompute and v.has_backward:
         return v.ops.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)[0]
     return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+
+
+def _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, sizes,
+                         check_ids, group, max_tokens):
+    import torch.distributed as dist
+
+    from .peers import workspace
+
+    E_local, K, H, I, S = sizes
+    W = dist.get_world_size(group)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise InputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    params = (x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params):
+        raise NotImplementedError("the expert-parallel backward is not generated yet: call mokgen.moe(..., "
+                                  "group=...) under torch.no_grad() or with tensors that do not require grad")
+    try:
+        v = find_variant(E_local * W, K, H, I, S, world_size=W)
+    except Exception as e:
+        if e.__class__.__name__ == "SpecError":
+            raise InputError(f"these shapes cannot be generated for {W} GPUs: {e}") from None
+        raise
+    if check_ids:
+        check_ids_in_range(topk_ids, E_local * W, x)
+    peers = workspace(v, group, x.shape[0], max_tokens)
+    return v.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, peers=peers)
+
+
+def release_peer_workspaces() -> None:
+    """Free the expert-parallel peer workspaces (every rank of a group together)."""
+    from .peers import release_all
+
+    release_all()
 
 
 def route(router_logits, topk: int, *, renormalize: bool = False, variant: Variant | None = None):
@@ -155,4 +210,4 @@ def check_errors() -> None:
 
 
 __all__ = ["InputError", "KernelTimeout", "LaunchError", "Variant", "VariantNotBuilt", "check_errors", "load", "moe",
-           "route", "find_variant"]
+           "route", "find_variant", "release_peer_workspaces"]

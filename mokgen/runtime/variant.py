@@ -9,6 +9,7 @@ so a call can be captured in a CUDA graph.
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from ..ir import MoESpec
 from ..ir.graph import T as T_SYM
+from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS
 from ..schedule.plan import BAD_IDS_CODE, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
 from .checks import InputError
 from .library import Launcher, cuda_stream, open_library
@@ -53,6 +55,14 @@ def status_error(variant: str, experts: int, gemm_by_slot: dict, code: int, time
     if code == BAD_IDS_CODE:
         return InputError(f"{variant}: topk_ids of an earlier call held values outside [0, {experts}) (found on "
                           "the device; those pairs contributed nothing to that call's output)")
+    if code >= EP_ERROR:
+        kind, peer = divmod(code - EP_ERROR, 4096)
+        what = FLAG_KINDS[kind] if kind < len(FLAG_KINDS) else f"message {kind}"
+        return KernelTimeout(
+            f"{variant}: rank {peer}'s {what} never arrived within the {timeout_ms} ms bound (error code {code}): "
+            "that rank did not take part in the call (it failed, or called a different layer or token count "
+            "order); this call's output is invalid and the group's peer workspace is out of step: release it "
+            "(mokgen.release_peer_workspaces()) on every rank before the next call")
     return KernelTimeout(timeout_message(variant, gemm_by_slot, code, timeout_ms))
 
 
@@ -75,11 +85,18 @@ class Variant:
         self._lib = open_library(lib)
         self.kernels = {k["name"]: k for k in self.plan["kernels"]}
         self.launchers = {name: Launcher(self._lib, k) for name, k in self.kernels.items()}
+        # Buffers allocated per call, from T; an expert-parallel variant's others live in its
+        # peer workspace (runtime/peers.py).
         self._buffer_fns = [
             (b["name"], DTYPES[b["dtype"]], [sympy.lambdify(T_SYM, sympy.sympify(s, locals={"T": T_SYM}), "math")
                                               for s in b["shape"]], b["init"])
-            for b in self.plan["buffers"]
+            for b in self.plan["buffers"] if b.get("memory", "call") == "call"
         ]
+        self.expert_parallel = self.spec.world_size > 1
+        # Kernels whose grid scales with T (none of their CTAs exist at T = 0): a rank of an
+        # expert-parallel group without tokens still runs the rest, to serve its peers.
+        self._token_grids = frozenset(k["name"] for k in self.plan["kernels"]
+                                      if re.search(r"\bS?T\b", k["grid"]))
         # A profiling build records every task's SM and times (Plan override "profile");
         # it never takes over the torch ops of the normal build of the same variant.
         self.profiling = bool(self.plan.get("overrides", {}).get("profile"))
@@ -159,9 +176,11 @@ class Variant:
                 self._status_event = torch.cuda.Event()
             self._status_event.record()
 
-    def run(self, entry: str, env: dict, device) -> None:
+    def run(self, entry: str, env: dict, device, skip=()) -> None:
         stream = cuda_stream(device)
         for name in self.plan["steps"][entry]:
+            if name in skip:
+                continue
             k = self.kernels[name]
             self.launchers[name]([env[a["tensor"]] for a in k["args"]], stream)
 
@@ -174,11 +193,15 @@ class Variant:
 
     # ---- entry points (no checks here: the public functions check) ---------------
     def forward(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
-                out=None):
+                out=None, peers=None):
+        """peers: the PeerWorkspace of an expert-parallel variant (runtime/peers.py); its
+        weights are the rank's local experts and topk_ids hold global expert ids."""
         tokens = x.shape[0]
         if out is None:
             out = torch.empty_like(x)
-        if tokens == 0:
+        if self.expert_parallel and peers is None:
+            raise InputError(f"{self.name} is expert parallel: call it through mokgen.moe(..., group=...)")
+        if tokens == 0 and not self.expert_parallel:  # (a rank without tokens still serves its peers)
             return out
         self._check_status(wait=False)  # an error of an earlier, finished call surfaces here
         with torch.cuda.device(x.device):
@@ -188,7 +211,9 @@ class Variant:
                        w_down=w_down, out=out)
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
-            self.run(entry, env, x.device)
+            if peers is not None:
+                env.update(peers.buffers)
+            self.run(entry, env, x.device, skip=self._token_grids if tokens == 0 else ())
             self._record_status(env)
             if self.profiling:
                 self.last_records = {n[len("prof_"):]: env[n] for n in env if n.startswith("prof_")}

@@ -80,8 +80,11 @@ class KernelPlan:
 class Buffer:
     name: str
     dtype: str
-    shape: list  # strings: sympy expressions of T
+    shape: list  # strings: sympy expressions of T (or, expert parallel, of the capacity C)
     init: str = "none"  # "none" | "zeros"
+    # "call": allocated per call at its T; expert parallel: "persistent" (once per peer
+    # workspace, at its capacity C) or "symmetric" (the same, in memory peers store into)
+    memory: str = "call"
 
 
 @dataclass
@@ -227,10 +230,11 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     decisions by name; the Plan records that it did, and where they came from."""
     target = target or target_for(spec.arch)
     check_overrides(overrides or {})
-    if spec.world_size > 1:
-        raise PlanError(
-            f"world_size={spec.world_size}: expert parallelism is not generated yet; build with world_size 1"
-        )
+    ep = spec.world_size > 1
+    if ep:
+        from . import expert_parallel  # (it builds on this module's types)
+
+        expert_parallel.check_ep_overrides(overrides or {})
     graph: Graph = forward_graph(spec)
     E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
     decisions: list[str] = []
@@ -256,11 +260,13 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         decisions.append("cluster 2x1 for the routed GEMMs: the two CTAs take M tiles 2p and 2p+1 of one expert "
                          "and the same N tile, each loads half of every weight tile and multicasts it to both "
                          "(half the L2-to-SM weight traffic); experts padded to an even number of M tiles")
+    elif ep:  # the GEMMs run on the rows this rank receives
+        m_tiles = expert_parallel.received_tiles(spec, row_tile)
     else:
         m_tiles = sympy.ceiling(T * K / row_tile) + E
     rows = m_tiles * row_tile
-    decisions.append(f"routed M tiles bounded by ceil(T*K/{row_tile}) + E = {_expr(m_tiles)}: "
-                     "sized on the host from T alone, no host sync")
+    decisions.append(f"routed M tiles bounded by {_expr(m_tiles)}: sized on the host from "
+                     f"{'the peer workspace capacity C' if ep else 'T'} alone, no host sync")
 
     # The forward's GEMM paths: "multi" (one launch per GEMM), "fused" (all in one launch,
     # the shared expert's tiles included), or "by_tokens": both built, the fused one run up to
@@ -289,15 +295,18 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     done_slot = slots.index("down_done") if fused_combine else None
     status_slot = slots.index("status")
     n_counters = len(slots)
+    recv = "persistent" if ep else "call"  # expert parallel: sized by the workspace capacity
     buffers = [
         Buffer("tile_counters", "i32", [str(n_counters)]),
-        Buffer("counts", "i32", [str(E)]),
+        Buffer("counts", "i32", [str(spec.experts if ep else E)]),
         Buffer("pos", "i32", ["T", str(K)]),
-        Buffer("tile_expert", "i32", [_expr(m_tiles)]),
-        Buffer("row_token", "i32", [_expr(rows)]),
-        Buffer("h", "bf16", [_expr(rows), str(I)]),
-        Buffer("y", "bf16", [_expr(rows), str(H)]),
+        Buffer("tile_expert", "i32", [_expr(m_tiles)], memory=recv),
+        Buffer("row_token", "i32", [_expr(rows)], memory=recv),
+        Buffer("h", "bf16", [_expr(rows), str(I)], memory=recv),
+        Buffer("y", "bf16", [_expr(rows), str(H)], memory=recv),
     ]
+    if ep:
+        buffers += expert_parallel.ep_buffers(spec, row_tile)
 
     # route (its own entry point)
     route_threads = 128
@@ -312,21 +321,27 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 
     # send: count, then scatter (positions, row -> token table, tile table)
     dispatch_threads = min(1024, target.max_threads_per_block)
-    dparams = dict(experts=E, topk=K, tile_m=row_tile, threads=dispatch_threads, items_per_thread=DISPATCH_ITEMS,
-                   tile_align=cluster_m, status_slot=status_slot, bad_ids_code=BAD_IDS_CODE)
+    # Expert parallel: dispatch groups the rank's pairs by global expert with a one-row tile
+    # (no padding: rows leave for their owners, whose layout pads them), into send_token /
+    # send_expert.
+    dparams = dict(experts=spec.experts if ep else E, topk=K, tile_m=1 if ep else row_tile, threads=dispatch_threads,
+                   items_per_thread=DISPATCH_ITEMS, tile_align=cluster_m, status_slot=status_slot,
+                   bad_ids_code=BAD_IDS_CODE)
+    d_experts = dparams["experts"]
     kernels += [
         KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
-                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
+                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [d_experts]),
                     KernelArg("tile_counters", "tile_counters", "i32", [n_counters])],
-                   grid=f"({E},)", block=dispatch_threads,
+                   grid=f"({d_experts},)", block=dispatch_threads,
                    warp_roles=["all warps: count one expert's pairs; CTA 0 also zeroes the GEMM tile counters"]),
         KernelPlan("dispatch_scatter", "send", "dispatch", "dispatch.py.j2", "scatter", dparams,
-                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [E]),
-                    KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("row_token", "row_token", "i32", ["M"]),
-                    KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [d_experts]),
+                    KernelArg("pos", "pos", "i32", ["T", K]),
+                    KernelArg("row_token", "send_token" if ep else "row_token", "i32", ["M"]),
+                    KernelArg("tile_expert", "send_expert" if ep else "tile_expert", "i32", ["MT"]),
                     KernelArg("tile_counters", "tile_counters", "i32", [n_counters])]
                    + ([KernelArg("h_ready", "h_ready", "i32", ["MT"])] if fuse else []),
-                   grid=f"({E},)", block=dispatch_threads,
+                   grid=f"({d_experts},)", block=dispatch_threads,
                    warp_roles=["all warps: stable compaction of one expert's pairs (block scan)"]),
     ]
     dparams.update(fused=fuse, used_slot=used_slot)
@@ -414,10 +429,14 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                                       f"(stmatrix + TMA store), {tl['consumer_regs']} registers"],
                           smem_bytes=smem)
 
-    gateup = gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
-                  "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue.", gather_a=True)
-    decisions.append("gemm_gateup gathers its A rows from x (cp.async by the producer warpgroup): "
-                     "no permuted copy of x")
+    if ep:  # the received rows are contiguous and grouped by expert: TMA loads them
+        gateup = gemm("gemm_gateup", "gemm_gateup", "ep_recv", ("w_gate", "w_up"), "h", I, H, "swiglu",
+                      "tile_expert", "M", "MT", E, "Routed gate/up projection (received rows) with the SwiGLU epilogue.")
+    else:
+        gateup = gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
+                      "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue.", gather_a=True)
+        decisions.append("gemm_gateup gathers its A rows from x (cp.async by the producer warpgroup): "
+                         "no permuted copy of x")
     down = gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
                 "tile_expert", "M", "MT", E, "Routed down projection.")
     steps = {}
@@ -457,7 +476,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 
     combine_threads = simt_threads(H, target)
     cargs = [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("weights", "topk_weights", "f32", ["T", K]),
-             KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("y", "y", "bf16", ["M", H])]
+             KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("y", "ep_ret" if ep else "y", "bf16", ["M", H])]
     if S:
         cargs.append(KernelArg("ys", "ys", "bf16", ["T", H]))
     cargs.append(KernelArg("out", "out", "bf16", ["T", H]))
@@ -465,7 +484,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         ", then + shared(x)[t])" if S else ")")
     kernels.append(KernelPlan(
         "combine", "reduce", "combine", "combine.py.j2", "main",
-        dict(experts=E, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
+        dict(experts=d_experts, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
         cargs, grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
     for entry in steps:  # the fused launch may combine itself
         if not (fused_combine and "gemm_fused" in steps[entry]):
@@ -475,6 +494,18 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             f"gemm_fused also combines: each down tile raises tile_counters[{done_slot}] after its stores; once a CTA "
             "has no tile left, its consumer warps wait until every down tile is stored, then reduce token rows "
             "t = CTA, CTA + grid, ... with the combine's fixed k order (the same bits as the combine kernel)")
+    sm_roles, queues = {"compute": target.sms, "communication": 0}, []
+    if ep:
+        ep_ks, ep_why, queues, ctas = expert_parallel.ep_kernels(
+            spec, target, row_tile, n_counters, status_slot,
+            int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000, overrides or {})
+        kernels += ep_ks
+        decisions += ep_why
+        sm_roles = {"compute": target.sms, "communication": ctas, "shared": "time-sliced: separate launches"}
+        shared_steps = ["shared_gateup", "shared_down"] if S else []
+        # The shared expert's GEMMs run while the peers' rows are in flight.
+        steps["forward"] = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send"] + \
+            shared_steps + ["ep_wait_rows", "gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns", "combine"]
     forward = steps["forward"]
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
 
@@ -514,8 +545,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         spec=spec.to_dict(),
         target=target.to_dict(),
         row_tile=row_tile,
-        sm_roles={"compute": target.sms, "communication": 0},
-        queues=[],
+        sm_roles=sm_roles,
+        queues=queues,
         reduction_order=reduction_order,
         buffers=buffers,
         kernels=kernels,
@@ -540,6 +571,8 @@ FUSED_MAX_TOKENS = 2048
 def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict | None, cluster_m: int):
     """("multi" | "fused" | "by_tokens", why): which GEMM paths the forward is built with."""
     ov = overrides or {}
+    if spec.world_size > 1:
+        return "multi", "GEMM path: one launch per GEMM (the single launch is not generated for several GPUs yet)"
     if ov.get("fuse_gemms") is True:
         return "fused", "GEMM path: one fused launch (override fuse_gemms)"
     if ov.get("fuse_gemms") is False:
@@ -650,7 +683,7 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 # debug_break_dependency makes the fused launch's down tiles wait for a count h_ready never
 # reaches (tests check that a broken dependency ends in a clear error, not a hang).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|profile|fuse_gemms"
-                           r"|cluster_m|dispatch_chunked"
+                           r"|cluster_m|dispatch_chunked|comm_sms"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -718,6 +751,8 @@ def backward_decision(plan: dict) -> str:
 
 def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, str]:
     """(whether the Plan has the backward entry points, why)."""
+    if spec.world_size > 1:
+        return False, "backward: not generated for expert parallelism yet (forward only)"
     if overrides.get("profile"):
         return False, "backward: not in a profiling build (it times the forward)"
     if paths == "fused":

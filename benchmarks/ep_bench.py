@@ -1,0 +1,172 @@
+"""Expert-parallel forward on several GPUs: mokgen against torch expert parallelism, one run.
+
+    torchrun --nproc-per-node=2 benchmarks/ep_bench.py [--tokens 4096,8192] [--json out.json]
+
+Per rank: T tokens, E/W local experts, uniform random routing over all E experts. Times
+(CUDA events, warm-up, median; the slowest rank's figure) the mokgen layer, the torch
+baseline (sort, count exchange, all_to_all, torch._grouped_mm experts, all_to_all back,
+weighted index_add), and on one GPU the single-GPU mokgen layer doing the same local work
+(T tokens over all E experts). Also times mokgen's send and return kernels alone and
+reports the NVLink bytes they move and the rate achieved.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import mokgen
+from mokgen.runtime import find_variant
+
+
+def torch_ep(x, ids, w, w13, wd, E, group):
+    """The layer with expert parallelism as a PyTorch user writes it (two NCCL all_to_alls,
+    one host sync for the split sizes)."""
+    W = dist.get_world_size(group)
+    El, K, I = E // W, ids.shape[1], wd.shape[2]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    counts = torch.bincount(flat, minlength=E)
+    counts_in = torch.empty_like(counts)
+    dist.all_to_all_single(counts_in, counts, group=group)
+    send = counts.view(W, El).sum(1).tolist()
+    recv = counts_in.view(W, El).sum(1).tolist()
+    xr = x.new_empty(sum(recv), x.shape[1])
+    dist.all_to_all_single(xr, x[tok], recv, send, group=group)
+    local = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(W), counts_in)
+    by_expert = torch.argsort(local, stable=True)  # arrivals are by source, then expert
+    offs = torch.cumsum(counts_in.view(W, El).sum(0), 0).to(torch.int32)
+    h13 = torch._grouped_mm(xr[by_expert], w13.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(F.silu(h13[:, :I]) * h13[:, I:], wd.transpose(1, 2), offs=offs)
+    ys = torch.empty_like(y)
+    ys[by_expert] = y
+    back = x.new_empty(sum(send), x.shape[1])
+    dist.all_to_all_single(back, ys, send, recv, group=group)
+    out = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+    out.index_add_(0, tok, back.float() * w.reshape(-1)[order, None])
+    return out.to(x.dtype)
+
+
+def timed(fn, warm=5, iters=20):
+    """Median ms over iters, the slowest rank's."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    t = torch.tensor([sorted(ts)[len(ts) // 2]], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def kernel_times(variant, call, names, iters=10):
+    """Median ms of the named kernels inside calls (events around each launch)."""
+    found = {n: [] for n in names}
+    saved = dict(variant.launchers)
+    pending = []
+    for n in names:
+        def wrap(tensors, stream, _n=n, _f=saved[n]):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            _f(tensors, stream)
+            b.record()
+            pending.append((_n, a, b))
+        variant.launchers[n] = wrap
+    try:
+        for _ in range(iters):
+            call()
+            torch.cuda.synchronize()
+            for n, a, b in pending:
+                found[n].append(a.elapsed_time(b))
+            pending.clear()
+    finally:
+        variant.launchers.update(saved)
+    return {n: sorted(v)[len(v) // 2] for n, v in found.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="64,8,2048,1024")
+    ap.add_argument("--tokens", default="4096,8192")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    E, K, H, I = (int(v) for v in a.shape.split(","))
+    El = E // world
+    tokens = [int(t) for t in a.tokens.split(",")]
+    g = torch.Generator(device="cuda")
+    g.manual_seed(1234 + rank)
+    wg = (torch.randn(El, I, H, device="cuda", generator=g) / math.sqrt(H)).bfloat16()
+    wu = (torch.randn(El, I, H, device="cuda", generator=g) / math.sqrt(H)).bfloat16()
+    wd = (torch.randn(El, H, I, device="cuda", generator=g) / math.sqrt(I)).bfloat16()
+    w13 = torch.cat([wg, wu], 1)
+    v = find_variant(E, K, H, I, 0, world_size=world)
+    single = find_variant(E, K, H, I, 0)
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        w, ids = torch.topk(torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1), K, -1)
+        ids, w = ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
+        with torch.no_grad():
+            run = lambda: mokgen.moe(x, ids, w, wg, wu, wd, group=group, max_tokens=max(tokens), check_ids=False)
+            ms = timed(run)
+            # the same call replayed from a CUDA graph: the GPU's time without the host's launch
+            # overhead (the flags carry a device-side epoch, so replays need nothing from the host)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            ms_graph = timed(graph.replay)
+            ms_torch = timed(lambda: torch_ep(x, ids, w, w13, wd, E, group))
+            err = (run().float() - torch_ep(x, ids, w, w13, wd, E, group).float()).norm().item() / \
+                torch_ep(x, ids, w, w13, wd, E, group).float().norm().item()
+            kt = kernel_times(v, run, ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send",
+                                       "ep_return", "ep_wait_rows", "ep_wait_returns", "gemm_gateup",
+                                       "gemm_down", "combine"])
+            # the same local work on one GPU (every rank does it alone, at once)
+            wg1 = torch.randn(E, I, H, device="cuda", generator=g).bfloat16()
+            wu1, wd1 = torch.randn_like(wg1), torch.randn(E, H, I, device="cuda", generator=g).bfloat16()
+            ms_single = timed(lambda: single.forward(x, ids, w, wg1, wu1, wd1))
+        peer_rows = int((ids.long() // El != rank).sum().item())
+        peer_bytes = torch.tensor([peer_rows * H * 2], device="cuda", dtype=torch.float64)
+        dist.all_reduce(peer_bytes, op=dist.ReduceOp.MAX)
+        fl = 6.0 * T * K * H * I
+        row = dict(shape=f"E{E} K{K} H{H} I{I}", world=world, tokens_per_rank=T, mokgen_ms=ms, torch_ep_ms=ms_torch,
+                   ratio=ms_torch / ms, mokgen_graph_ms=ms_graph, ratio_graph=ms_torch / ms_graph,
+                   mokgen_tflops_per_gpu=fl / ms / 1e9, torch_tflops_per_gpu=fl / ms_torch / 1e9,
+                   single_gpu_ms=ms_single, per_gpu_vs_single=ms_single / ms, rel_diff_vs_torch=err,
+                   kernels_ms=kt, nvlink_bytes_each_way=peer_bytes.item(),
+                   send_gbs=peer_bytes.item() / kt["ep_send"] / 1e6, return_gbs=peer_bytes.item() / kt["ep_return"] / 1e6)
+        rows.append(row)
+        if rank == 0:
+            print(f"T={T}/rank  mokgen {ms:.3f} ms ({row['mokgen_tflops_per_gpu']:.0f} TF/s/GPU)  torch EP "
+                  f"{ms_torch:.3f} ms ({row['torch_tflops_per_gpu']:.0f})  ratio {row['ratio']:.2f}x  | mokgen from a "
+                  f"CUDA graph {ms_graph:.3f} ms ({fl / ms_graph / 1e9:.0f} TF/s/GPU, {ms_torch / ms_graph:.2f}x)  | single GPU "
+                  f"same work {ms_single:.3f} ms -> EP at {100 * row['per_gpu_vs_single']:.0f}%  | diff vs torch "
+                  f"{err:.1e}", flush=True)
+            print("   kernels (ms): " + ", ".join(f"{k} {t:.3f}" for k, t in kt.items()) +
+                  f"  | NVLink {peer_bytes.item() / 1e6:.0f} MB each way: send {row['send_gbs']:.0f} GB/s, return "
+                  f"{row['return_gbs']:.0f} GB/s", flush=True)
+    if rank == 0 and a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The peer workspace of an expert-parallel variant: the Plan's symmetric and persistent
+buffers, made once per (variant, process group, device) and reused by every call and layer.
+
+Symmetric buffers live in torch symmetric memory (peer-to-peer mappings; NVLink multicast
+is not used), so the generated kernels store straight into a peer's copy through the
+addresses in ep_peers. Making a workspace is collective: every rank of the group makes it
+in the same order, at the same capacity.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from ..ir.graph import C as C_SYM
+from ..schedule.expert_parallel import REGIONS, STATE
+from .checks import InputError
+
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
+
+
+def _shape(b: dict, capacity: int) -> tuple:
+    return tuple(int(sympy.sympify(s, locals={"C": C_SYM}).subs(C_SYM, capacity)) for s in b["shape"])
+
+
+class PeerWorkspace:
+    """Buffers of one expert-parallel variant for one process group, sized for `capacity`
+    tokens per rank (what any rank may pass in one call)."""
+
+    def __init__(self, plan: dict, group, capacity: int, device: torch.device):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        world = plan["spec"]["world_size"]
+        if dist.get_world_size(group) != world:
+            raise InputError(f"{plan['variant']} is built for {world} GPUs; the process group has "
+                             f"{dist.get_world_size(group)}")
+        self.group, self.capacity, self.device = group, capacity, device
+        self.rank = dist.get_rank(group)
+        self.buffers: dict[str, torch.Tensor] = {}
+        addresses = {}
+        for b in plan["buffers"]:
+            if b["memory"] == "symmetric":
+                t = symm_mem.empty(_shape(b, capacity), dtype=DTYPES[b["dtype"]], device=device)
+                t.zero_()  # flags start below every epoch; the barrier below orders it before peers' stores
+                handle = symm_mem.rendezvous(t, group.group_name)
+                addresses[b["name"]] = list(handle.buffer_ptrs)
+                self.buffers[b["name"]] = t
+                self._handles = getattr(self, "_handles", []) + [handle]
+            elif b["memory"] == "persistent":
+                self.buffers[b["name"]] = torch.zeros(_shape(b, capacity), dtype=DTYPES[b["dtype"]], device=device)
+        self.buffers["ep_peers"].copy_(torch.tensor([addresses[r] for r in REGIONS], dtype=torch.int64))
+        self.buffers["ep_state"][STATE.index("rank")] = self.rank
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+_WORKSPACES: dict = {}
+
+
+def workspace(variant, group, tokens: int, capacity: int | None) -> PeerWorkspace:
+    """The workspace of (variant, group, device); made on first use. Its capacity is
+    `capacity`, else the largest T any rank passes in that first call (agreed through one
+    all-reduce, once). A later call with more tokens than the capacity is refused: growing
+    would need every rank to take part at the same moment."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    key = (variant.name, group.group_name if hasattr(group, "group_name") else id(group), device)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if capacity is None:
+            t = torch.tensor([tokens], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            capacity = max(1, int(t.item()))
+        ws = _WORKSPACES[key] = PeerWorkspace(variant.plan, group, capacity, device)
+    if tokens > ws.capacity:
+        raise InputError(f"{variant.name}: T={tokens} exceeds the expert-parallel workspace's capacity of "
+                         f"{ws.capacity} tokens per rank; pass max_tokens >= {tokens} to the first call of this "
+                         "group (every rank at once), or mokgen.release_peer_workspaces() and start again")
+    return ws
+
+
+def release_all() -> None:
+    """Free every peer workspace (collective in spirit: every rank should do it together)."""
+    _WORKSPACES.clear()

@@ -1,0 +1,176 @@
+"""Expert parallelism over NVLink: the Plan's send_peers and return stages as device-initiated
+peer stores (templates/ep_exchange.py.j2), and the workspace they move rows through.
+
+Each of the W ranks owns E/W experts. A call runs, on every rank, on one stream, with no
+host synchronisation and no collective library:
+
+    dispatch     group the rank's (token, slot) pairs by global expert (send order)
+    publish      store the rank's per-expert counts into every peer's ep_counts, then raise
+                 its flag there (release, system scope)
+    layout       wait for every rank's counts (acquire, bounded); from the full W x E count
+                 matrix compute where each of this rank's rows lands on its owner and the
+                 receive layout of the local experts: by local expert, then source rank, then
+                 send order, each expert padded to the GEMM M tile
+    send         store each row x[t] into its owner's ep_recv; the last CTA raises the
+                 owner's rows flag
+    wait_rows    wait until every rank's rows have arrived (bounded)
+    GEMMs        gate/up + SwiGLU and down over ep_recv (TMA, no gather), as on one GPU
+    return       store each result row into its source rank's ep_ret, at the row's send
+                 position; the last CTA raises the source's returns flag
+    wait_returns wait until every rank has returned this rank's rows (bounded)
+    combine      out[t] = sum_k w[t,k] * ep_ret[pos[t,k]] in k order: bitwise deterministic
+
+Flags hold the call's epoch (a per-rank counter on the device, raised by publish), so they
+never need resetting and a CUDA graph replays correctly. ep_counts is double-buffered by
+epoch parity: a rank starts call n+1 only after its call n has received every peer's
+returns, which each peer sends after reading the counts of call n. The row regions need no
+second buffer for the same reason (a peer's rows of call n+1 arrive only after this rank's
+call n GEMMs have read ep_recv).
+"""
+from __future__ import annotations
+
+import sympy
+
+from ..ir import MoESpec
+from ..ir.graph import C, T
+from .plan import Buffer, KernelArg, KernelPlan, PlanError, _expr
+from .target import Target
+
+# The symmetric regions (one symmetric allocation each); ep_peers[r, w] is region r's
+# address on rank w. Peers store into them; the owner reads them.
+REGIONS = ("ep_counts", "ep_flags", "ep_recv", "ep_ret")
+# Rows of ep_flags: which message a flag announces.
+FLAG_KINDS = ("counts", "rows", "returns")
+# ep_state entries (per rank, on the device): the call's epoch, the send and return kernels'
+# finished-CTA counters, this rank's index in the group (set when the workspace is made).
+STATE = ("epoch", "sent", "returned", "rank")
+# Error code of an expert-parallel wait that timed out: EP_ERROR + kind * 4096 + peer rank.
+EP_ERROR = 1 << 20
+# Threads of the exchange kernels' CTAs, and the most ranks one wait kernel watches.
+EP_THREADS = 256
+MAX_WORLD = 1024
+# Plan overrides this module reads; a fused launch, clusters and profiling builds are not
+# generated for several GPUs yet.
+UNSUPPORTED = ("fuse_gemms", "cluster_m", "profile", "dispatch_chunked")
+
+
+def check_ep_overrides(overrides: dict) -> None:
+    for key in UNSUPPORTED:
+        if overrides.get(key) and not (key == "cluster_m" and overrides[key] == 1):
+            raise PlanError(f"plan override {key} is not generated for world_size > 1 yet")
+
+
+def received_tiles(spec: MoESpec, row_tile: int):
+    """Bound on the receive layout's M tiles: every rank's C*K rows could come to one rank,
+    and each local expert's segment is padded to the row tile."""
+    return sympy.ceiling(spec.world_size * C * spec.topk / row_tile) + spec.local_experts
+
+
+def comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> tuple[int, str]:
+    """CTAs of the send and return kernels. They run as their own launches between the
+    GEMMs, so nothing competes for the SMs: every SM takes one CTA of 8 warps (one row per
+    warp in flight: 16 B per lane per store, enough in flight to cover the NVLink latency
+    at the measured peer rate). `comm_sms` overrides."""
+    if "comm_sms" in overrides:
+        n = overrides["comm_sms"]
+        if not 1 <= n <= target.sms:
+            raise PlanError(f"comm_sms={n} must be in [1, {target.sms}]")
+        return n, "set by override comm_sms"
+    row_bytes = spec.hidden * 2
+    return target.sms, (f"send/return are separate launches (no GEMM to share the SMs with yet): all "
+                        f"{target.sms} SMs, {EP_THREADS // 32} rows of {row_bytes} B in flight per SM; the "
+                        f"peer link moves {target.nvlink_peer_gbs:.0f} GB/s per peer")
+
+
+def ep_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
+    """The peer workspace: made once per (variant, group) at a capacity of C tokens per rank."""
+    W, E, El, K, H = spec.world_size, spec.experts, spec.local_experts, spec.topk, spec.hidden
+    rows = _expr(received_tiles(spec, row_tile) * row_tile)
+    return [
+        Buffer("ep_counts", "i32", ["2", str(W), str(E)], memory="symmetric"),
+        Buffer("ep_flags", "i32", [str(len(FLAG_KINDS)), str(W)], memory="symmetric"),
+        Buffer("ep_recv", "bf16", [rows, str(H)], memory="symmetric"),
+        Buffer("ep_ret", "bf16", [_expr(C * K), str(H)], memory="symmetric"),
+        Buffer("ep_peers", "i64", [str(len(REGIONS)), str(W)], memory="persistent"),
+        Buffer("ep_state", "i32", [str(len(STATE))], memory="persistent"),
+        Buffer("recv_off", "i32", [str(El), str(W + 1)], memory="persistent"),
+        Buffer("src_start", "i32", [str(W), str(El)], memory="persistent"),
+        # the rank's own rows in send order (dispatch with a one-row tile): token and expert
+        Buffer("send_token", "i32", [_expr(T * K + E)]),
+        Buffer("send_expert", "i32", [_expr(T * K + E)]),
+        Buffer("send_shift", "i32", [str(E)]),
+    ]
+
+
+def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
+               wait_timeout_ns: int, overrides: dict) -> tuple[list[KernelPlan], list[str], list[dict], int]:
+    """(kernels, decisions, queues, communication CTAs) of the exchange stages."""
+    W, E, El, K, H = spec.world_size, spec.experts, spec.local_experts, spec.topk, spec.hidden
+    if W > MAX_WORLD:
+        raise PlanError(f"world_size={W}: at most {MAX_WORLD} ranks are planned")
+    ctas, why = comm_ctas(spec, target, overrides)
+    wait_threads = 32 * -(-W // 32)
+    params = dict(world=W, experts=E, local_experts=El, topk=K, hidden=H, tile_m=row_tile, threads=EP_THREADS,
+                  comm_ctas=ctas, wait_threads=wait_threads, vec=8, status_slot=status_slot,
+                  wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, regions=list(REGIONS),
+                  flag_kinds=list(FLAG_KINDS), state=list(STATE))
+    peers = KernelArg("peers", "ep_peers", "i64", [len(REGIONS), W])
+    state = KernelArg("state", "ep_state", "i32", [len(STATE)])
+    flags = KernelArg("flags", "ep_flags", "i32", [len(FLAG_KINDS), W])
+    counters = KernelArg("tile_counters", "tile_counters", "i32", [n_counters])
+    recv_off = KernelArg("recv_off", "recv_off", "i32", [El, W + 1])
+    src_start = KernelArg("src_start", "src_start", "i32", [W, El])
+
+    def k(name, entry, args, grid, block, roles):
+        return KernelPlan(name, "send_peers" if entry in ("publish", "layout", "send", "wait_rows") else "return",
+                          "ep", "ep_exchange.py.j2", entry, params, args, grid=grid, block=block, warp_roles=roles)
+
+    kernels = [
+        k("ep_publish", "publish", [KernelArg("counts", "counts", "i32", [E]), peers, state], "(1,)", EP_THREADS,
+          ["all threads: store this rank's counts into every peer's ep_counts; then one thread per peer raises "
+           "the counts flag (release, system scope)"]),
+        k("ep_layout", "layout",
+          [KernelArg("ep_counts", "ep_counts", "i32", [2, W, E]), flags, state, counters,
+           KernelArg("send_shift", "send_shift", "i32", [E]), recv_off, src_start,
+           KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), KernelArg("row_token", "row_token", "i32", ["M"])],
+          f"({E},)", EP_THREADS,
+          ["all warps: wait for every rank's counts, then for global expert e: where this rank's rows of e land "
+           "on e's owner; the owner's CTAs also write the receive layout (tile table, valid rows, segments)"]),
+        k("ep_send", "send",
+          [KernelArg("x", "x", "bf16", ["T", H]), KernelArg("send_token", "send_token", "i32", ["R"]),
+           KernelArg("send_expert", "send_expert", "i32", ["R"]), KernelArg("send_shift", "send_shift", "i32", [E]),
+           peers, state, counters],
+          f"({ctas},)", EP_THREADS,
+          ["every warp: one row at a time, 16 B per lane, stored into the owner's ep_recv; the last CTA raises "
+           "each owner's rows flag (fence, then release store at system scope)"]),
+        k("ep_wait_rows", "wait_rows", [flags, state, counters], "(1,)", wait_threads,
+          ["one thread per rank: spin (acquire, system scope, bounded) until its rows flag holds this epoch"]),
+        k("ep_return", "return_rows",
+          [KernelArg("y", "y", "bf16", ["M", H]), KernelArg("row_token", "row_token", "i32", ["M"]),
+           KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), recv_off, src_start, peers, state, counters],
+          f"({ctas},)", EP_THREADS,
+          ["every warp: one received row at a time, stored back into its source rank's ep_ret at its send "
+           "position; the last CTA raises each source's returns flag"]),
+        k("ep_wait_returns", "wait_returns", [flags, state, counters], "(1,)", wait_threads,
+          ["one thread per rank: spin (acquire, system scope, bounded) until its returns flag holds this epoch"]),
+    ]
+    rows = _expr(received_tiles(spec, row_tile) * row_tile)
+    decisions = [
+        f"expert parallel over {W} GPUs ({spec.topology}, P2P stores, no multicast): {El} experts per rank; rows "
+        "move by device-initiated stores into the owner's symmetric memory, flags carry the call's epoch "
+        "(release/acquire at system scope, bounded waits); no host sync and no collective library in the layer",
+        f"communication: {ctas} CTAs for send and return; {why}",
+        f"receive layout: by local expert, then source rank, then the source's send order, each expert padded to "
+        f"{row_tile} rows: fixed by the counts alone, so the same routing always gives the same rows and bits",
+        f"peer workspace per rank for C tokens per rank: ep_recv {rows} x {H} bf16 (all ranks' rows could go to "
+        f"one), ep_ret {_expr(C * K)} x {H} bf16, h and y as ep_recv; made once per process group and reused",
+    ]
+    queues = [
+        dict(name="ep_recv", direction="to the expert's owner", slot_bytes=2 * H, slots=rows,
+             order="local expert, source rank, send order", flag=f"ep_flags[{FLAG_KINDS.index('rows')}, source]"),
+        dict(name="ep_ret", direction="back to the token's rank", slot_bytes=2 * H, slots=_expr(C * K),
+             order="the source's send order", flag=f"ep_flags[{FLAG_KINDS.index('returns')}, owner]"),
+        dict(name="ep_counts", direction="to every rank", slot_bytes=4 * E, slots=str(2 * W),
+             order="epoch parity, source rank", flag=f"ep_flags[{FLAG_KINDS.index('counts')}, source]"),
+    ]
+    return kernels, decisions, queues, ctas

@@ -1,0 +1,55 @@
+"""Golden tests of the expert-parallel layer on 2 GPUs (tests/ep_worker.py under torchrun).
+
+They need two GPUs linked by NVLink and the variants built (benchmarks/build_gpu_variants.py
+builds them); elsewhere they skip.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mokgen.ir import MoESpec
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+WORLD = 2
+# (experts, topk, hidden, intermediate, shared intermediate): the bench layer, and a small one
+# with a shared expert and odd sizes.
+EP_SHAPES = [(64, 8, 2048, 1024, 0), (16, 4, 1024, 512, 512)]
+
+
+def ep_spec(shape, world=WORLD):
+    E, K, H, I, S = shape
+    return MoESpec(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=world,
+                   topology="nvlink")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
+                    reason=f"needs {WORLD} GPUs")
+@pytest.mark.parametrize("shape", EP_SHAPES, ids=lambda s: ep_spec(s).variant)
+def test_expert_parallel_golden(shape):
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}", str(root / "tests" / "ep_worker.py"),
+           "--shape", ",".join(map(str, shape))]
+    if shape != EP_SHAPES[0]:
+        cmd += ["--tokens", "1,513,2048", "--no-timeout-case"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=root)
+    print(r.stdout[-6000:], r.stderr[-3000:])
+    assert r.returncode == 0 and "EP golden: PASS" in r.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_weights_on_another_gpu_are_refused_before_launch():
+    import mokgen
+    from mokgen.runtime import InputError
+
+    x = torch.randn(8, 1024, device="cuda:0").bfloat16()
+    ids = torch.zeros(8, 4, dtype=torch.int32, device="cuda:0")
+    w = torch.full((8, 4), 0.25, device="cuda:0")
+    wg = torch.randn(16, 512, 1024, device="cuda:1").bfloat16()
+    with pytest.raises(InputError, match="cuda:1.*all inputs must be on one GPU"):
+        mokgen.moe(x, ids, w, wg, wg.clone(), torch.randn(16, 1024, 512, device="cuda:1").bfloat16())
