@@ -20,11 +20,11 @@ specs += [MoESpec(**{**spec_of(s).to_dict(), "renormalize": True}) for s in SHAP
 specs.append(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048))  # the bench's DeepSeek-V3 layer
 from test_expert_parallel_gpu import EP_SHAPES, ep_spec  # noqa: E402
 
-specs += [ep_spec(s) for s in EP_SHAPES]  # expert parallel over 2 GPUs
-for i, spec in enumerate(specs):
-    print(f"[{i + 1}/{len(specs) + 1}] {spec.variant}", flush=True)
+ep_specs = [ep_spec(s) for s in EP_SHAPES]  # expert parallel over 2 GPUs
+for i, spec in enumerate(specs + ep_specs):
+    print(f"[{i + 1}/{len(specs) + len(ep_specs) + 1}] {spec.variant}", flush=True)
     build(spec, default_out(), force=force, log=lambda m: None)
-print(f"[{len(specs) + 1}/{len(specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)
+print(f"[{len(specs) + len(ep_specs) + 1}/{len(specs) + len(ep_specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)
 for name, (overrides, *_) in BROKEN_BUILDS.items():
     build(spec_of(SHAPES[0]), deadlock_dir(name), overrides=overrides, force=force, log=lambda m: None)
 for shape in (SHAPES[0], SHAPES[4]):

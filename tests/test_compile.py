@@ -180,15 +180,18 @@ def test_expert_parallel_variant_compiles(tmp_path):
         assert "HGMMA" in sass and "UTMALDG" in sass and not any(op in sass for op in ("LDL", "STL")), name
 
 
-def test_exchange_compiles_for_an_nvl72_domain(tmp_path):
-    """N=72 is planned and its exchange compiled (the GEMMs are the 2-GPU ones' templates)."""
+@pytest.mark.parametrize("world", [4, 8, 72])
+def test_exchange_compiles_for_larger_nvlink_domains(tmp_path, world):
+    """N=4 and N=8 (the DeepSeek-V3 layer) and an NVL72 domain are planned and their exchange
+    compiled (their GEMMs are the 2-GPU layer's templates)."""
     import sys
 
     from mokgen.codegen.render import render, write_tree
     from mokgen.schedule import make_plan
 
-    plan = make_plan(MoESpec(experts=288, topk=8, hidden=7168, intermediate=2048, shared_intermediate=2048,
-                             world_size=72, topology="nvlink"))
+    experts = 288 if world == 72 else 256
+    plan = make_plan(MoESpec(experts=experts, topk=8, hidden=7168, intermediate=2048, shared_intermediate=2048,
+                             world_size=world, topology="nvlink"))
     write_tree(render(plan), tmp_path / "v")
     subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / "v"), str(tmp_path / "b"),
                     *EXCHANGE], check=True, capture_output=True)
