@@ -97,11 +97,34 @@ def kernel_times(variant, call, names, iters=10):
     return {n: sorted(v)[len(v) // 2] for n, v in found.items()}
 
 
+def host_profile(call, rank, calls=50):
+    """Host time per eager call (no sync inside), and the functions it goes to (cProfile)."""
+    import cProfile
+    import pstats
+    import time
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        print(f"   host: {host_us:.0f} us per eager call (profiled)", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="64,8,2048,1024")
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--host-profile", action="store_true", help="also print where the host spends an eager call")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
@@ -132,6 +155,8 @@ def main():
             with torch.cuda.graph(graph):
                 run()
             ms_graph = timed(graph.replay)
+            if a.host_profile:
+                host_profile(run, rank)
             ms_torch = timed(lambda: torch_ep(x, ids, w, w13, wd, E, group))
             err = (run().float() - torch_ep(x, ids, w, w13, wd, E, group).float()).norm().item() / \
                 torch_ep(x, ids, w, w13, wd, E, group).float().norm().item()

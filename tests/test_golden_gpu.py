@@ -165,6 +165,11 @@ def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
         out = mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False)
         mokgen.check_errors()
         assert torch.isfinite(out.float()).all()
+    # the chunked dispatch (an experiment's build) reports them too
+    v = mokgen.load(experiment_dir("chunked") / spec_of(SHAPES[0]).variant)
+    v.forward(x, bad, w, wg, wu, wd)
+    with pytest.raises(InputError, match="outside \\[0, 64\\)"):
+        v.check_errors()
 
 
 def test_torch_compile_fake(gen):

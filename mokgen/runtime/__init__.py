@@ -17,7 +17,10 @@ _LOADED: dict[str, Variant] = {}
 
 def variants_root() -> Path:
     env = os.environ.get("MOKGEN_HOME")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "generated"
+    return Path(env) if env else _SOURCE_ROOT / "generated"
+
+
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _can_compile() -> bool:
@@ -85,7 +88,7 @@ def _find_built(want: dict) -> Variant | None:
 def find_variant(E, K, H, I, S, world_size: int = 1) -> Variant:
     """The variant serving these shapes (E: all experts of the group): an existing build whose
     spec matches, else a new build."""
-    key = (str(variants_root()), E, K, H, I, S, world_size)
+    key = (os.environ.get("MOKGEN_HOME"), E, K, H, I, S, world_size)
     if key not in _BY_SHAPE:  # (found once per process: the lookup reads manifests)
         topology = "nvlink" if world_size > 1 else "single"
         want = dict(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=world_size)

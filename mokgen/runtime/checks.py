@@ -14,6 +14,12 @@ def _need(cond: bool, msg: str) -> None:
 
 
 def check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device | None) -> None:
+    # Every call of the op runs these checks: the common, valid case is tested first without
+    # formatting a single message (that formatting was most of the checks' host time).
+    if isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == len(shape) and \
+            all(w is None or g == w for g, w in zip(t.shape, shape)) and t.is_contiguous() and \
+            (device is None or t.device == device):
+        return
     _need(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _need(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
     _need(t.dim() == len(shape), f"{name} must be {len(shape)}-d {list(shape)}, got shape {list(t.shape)}")

@@ -57,6 +57,9 @@ class Launcher:
         self._dyn = [(i, d) for i, a in enumerate(self.args) for d, s in enumerate(a["shape"]) if isinstance(s, str)]
         self._static = [(i, d, s) for i, a in enumerate(self.args) for d, s in enumerate(a["shape"])
                         if not isinstance(s, str)]
+        # ctypes array types made once (making one per launch showed in the host profile)
+        self._data_t = ctypes.c_void_p * len(self.args)
+        self._dyn_t = ctypes.c_int32 * max(1, len(self._dyn))
 
     def check(self, tensors) -> None:
         """Shape/contiguity check of the bound tensors (cheap, host-only)."""
@@ -72,9 +75,9 @@ class Launcher:
                                   f"{len(a['shape'])}-d tensor, got shape {tuple(t.shape)}")
 
     def __call__(self, tensors, stream: int) -> None:
-        data = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-        dyn = (ctypes.c_int32 * max(1, len(self._dyn)))(*[tensors[i].shape[d] for i, d in self._dyn])
-        err = self._fn(data, dyn, ctypes.c_void_p(stream))
+        data = self._data_t(*[t.data_ptr() for t in tensors])
+        dyn = self._dyn_t(*[tensors[i].shape[d] for i, d in self._dyn])
+        err = self._fn(data, dyn, stream)
         if err:
             raise LaunchError(
                 f"kernel {self.name} failed to launch: {self._err(err).decode()} (cudaError {err}); "

@@ -606,8 +606,6 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
     hist = KernelArg("chunk_hist", "chunk_hist", "i32", ["C", E])
     params = dict(dparams, threads=CHUNK_THREADS, chunk=CHUNK_PAIRS)
     count, scatter = plain
-    if not dparams["fused"]:  # this template takes the counters only to feed the fused launch
-        scatter.args = [a for a in scatter.args if a.tensor != "tile_counters"]
     grid = f"(ceil(T*{K}/{CHUNK_PAIRS}),)"
     count_args = [count.args[0], hist, count.args[2]]  # ids, chunk_hist, tile_counters
     scatter_args = [scatter.args[0], hist] + scatter.args[1:]  # ids, chunk_hist, counts, pos, ...
