@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import mokgen
 from mokgen.runtime import find_variant
+from mokgen.runtime.peers import workspace
 
 
 def torch_ep(x, ids, w, w13, wd, E, group):
@@ -74,15 +75,19 @@ def timed(fn, warm=5, iters=20):
 
 def kernel_times(variant, call, names, iters=10):
     """Median ms of the named kernels inside calls (events around each launch)."""
+    names = [n for n in names if n in variant.launchers]  # (the overlapped Plan has no ep_wait_rows)
     found = {n: [] for n in names}
     saved = dict(variant.launchers)
     pending = []
     for n in names:
         def wrap(tensors, stream, _n=n, _f=saved[n]):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            main = torch.cuda.current_stream()
+            # the stream the kernel runs on: the current one, or the Plan's side stream
+            on = main if stream == main.cuda_stream else torch.cuda.ExternalStream(stream)
+            a.record(on)
             _f(tensors, stream)
-            b.record()
+            b.record(on)
             pending.append((_n, a, b))
         variant.launchers[n] = wrap
     try:
@@ -125,6 +130,8 @@ def main():
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--json", default=None)
     ap.add_argument("--host-profile", action="store_true", help="also print where the host spends an eager call")
+    ap.add_argument("--variants", default="", help="comma-separated variant directories (builds of the same layer "
+                                                    "with other Plan decisions) to time beside it")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
@@ -158,6 +165,14 @@ def main():
             if a.host_profile:
                 host_profile(run, rank)
             ms_torch = timed(lambda: torch_ep(x, ids, w, w13, wd, E, group))
+            for path in filter(None, a.variants.split(",")):
+                other = mokgen.load(path)
+                peers = workspace(other, group, T, max(tokens))
+                t_other = timed(lambda: other.forward(x, ids, w, wg, wu, wd, peers=peers))
+                diff = (other.forward(x, ids, w, wg, wu, wd, peers=peers).float() - run().float()).abs().max().item()
+                if rank == 0:
+                    print(f"   {path}: {t_other:.3f} ms ({ms_torch / t_other:.2f}x torch EP), max |diff| vs the "
+                          f"default build {diff:.1e}; decisions: {other.plan['overrides']}", flush=True)
             err = (run().float() - torch_ep(x, ids, w, w13, wd, E, group).float()).norm().item() / \
                 torch_ep(x, ids, w, w13, wd, E, group).float().norm().item()
             kt = kernel_times(v, run, ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send",

@@ -67,16 +67,24 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
     fwd = p.steps["forward"]
     # the exchange brackets the GEMMs; nothing waits before it has published
     assert fwd[:5] == ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send"]
-    assert fwd[-6:] == ["ep_wait_rows", "gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns", "combine"]
+    # the send runs beside gate/up, whose producer waits for each expert's rows
+    assert fwd[-5:] == ["gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns", "combine"]
+    assert p.side_stream == ["ep_send"] and p.kernel("gemm_gateup").params["ep_ready"]
+    assert p.kernel("gemm_gateup").params["sms"] + p.kernel("ep_send").params["comm_ctas"] == 132
+    serial = make_plan(EP2, overrides={"ep_overlap": False})
+    assert "ep_wait_rows" in serial.steps["forward"] and not serial.side_stream
+    assert not serial.kernel("gemm_gateup").params.get("ep_ready")
     assert "backward" not in p.steps and "forward_fused" not in p.steps
     mem = {b.name: b.memory for b in p.buffers}
-    assert {n for n, m in mem.items() if m == "symmetric"} == {"ep_counts", "ep_flags", "ep_recv", "ep_ret"}
+    assert {n for n, m in mem.items() if m == "symmetric"} == {"ep_counts", "ep_flags", "ep_recv", "ep_ret", "ep_ready"}
     assert mem["h"] == mem["y"] == mem["tile_expert"] == "persistent" and mem["pos"] == "call"
+    assert mem["ep_ready"] == "symmetric"
     # dispatch groups by global expert, one row per tile; the GEMMs see local experts
     assert p.kernel("dispatch_count").params["experts"] == 64 and p.kernel("dispatch_count").params["tile_m"] == 1
     assert p.kernel("gemm_gateup").params["groups"] == 32 and not p.kernel("gemm_gateup").params["gather_a"]
     assert p.kernel("combine").params["experts"] == 64
-    assert p.sm_roles["communication"] == 132 and len(p.queues) == 3
+    assert p.sm_roles == {"compute": 116, "communication": 16} and len(p.queues) == 3
+    assert p.kernel("dispatch_scatter").params["order_world"] == 2
     assert any("expert parallel over 2 GPUs" in d for d in p.decisions)
     assert json.loads(Plan.from_dict(json.loads(p.to_json())).to_json()) == json.loads(p.to_json())
 
@@ -85,8 +93,8 @@ def test_expert_parallel_plans_for_an_nvl72_domain_and_takes_comm_sms():
     p = make_plan(MoESpec(experts=288, topk=8, hidden=7168, intermediate=2048, shared_intermediate=2048,
                           world_size=72, topology="nvlink"), overrides={"comm_sms": 16})
     assert p.kernel("ep_send").params["world"] == 72 and p.kernel("ep_send").params["comm_ctas"] == 16
-    assert p.kernel("ep_wait_rows").block == 96  # one thread per rank, whole warps
-    assert p.steps["forward"].index("shared_down") < p.steps["forward"].index("ep_wait_rows")
+    assert p.kernel("ep_wait_returns").block == 96  # one thread per rank, whole warps
+    assert p.steps["forward"].index("shared_down") < p.steps["forward"].index("gemm_gateup")
     with pytest.raises(PlanError, match="comm_sms"):
         make_plan(EP2, overrides={"comm_sms": 500})
     with pytest.raises(PlanError, match="not generated for world_size > 1"):

@@ -93,6 +93,8 @@ class Variant:
             for b in self.plan["buffers"] if b.get("memory", "call") == "call"
         ]
         self.expert_parallel = self.spec.world_size > 1
+        self._side_kernels = frozenset(self.plan.get("side_stream", ()))
+        self._side_streams: dict = {}
         # Kernels whose grid scales with T (none of their CTAs exist at T = 0): a rank of an
         # expert-parallel group without tokens still runs the rest, to serve its peers.
         self._token_grids = frozenset(k["name"] for k in self.plan["kernels"]
@@ -177,12 +179,33 @@ class Variant:
             self._status_event.record()
 
     def run(self, entry: str, env: dict, device, skip=()) -> None:
-        stream = cuda_stream(device)
-        for name in self.plan["steps"][entry]:
-            if name in skip:
-                continue
+        caller = torch.cuda.current_stream(device)
+        steps = [n for n in self.plan["steps"][entry] if n not in skip]
+        two = any(n in self._side_kernels for n in steps)
+        # With a side stream, both streams are the variant's own: work on the legacy default
+        # stream waits for everything launched before it on blocking streams, which would
+        # put a kernel that waits for the side stream's progress behind it.
+        main = self._streams(device)[0] if two else caller
+        if two:
+            main.wait_stream(caller)
+        side = None
+        for name in steps:
             k = self.kernels[name]
-            self.launchers[name]([env[a["tensor"]] for a in k["args"]], stream)
+            stream = main
+            if name in self._side_kernels:  # forked here, so it runs beside the kernels after it
+                side = self._streams(device)[1]
+                side.wait_stream(main)
+                stream = side
+            self.launchers[name]([env[a["tensor"]] for a in k["args"]], stream.cuda_stream)
+        if two:  # joined: the caller's later work, and the call's buffers' reuse, come after it all
+            caller.wait_stream(main)
+            if side is not None:
+                caller.wait_stream(side)
+
+    def _streams(self, device) -> tuple:
+        if device not in self._side_streams:
+            self._side_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._side_streams[device]
 
     def forward_entry(self, tokens: int) -> str:
         """The Plan's forward path for this many tokens: the fused launch up to

@@ -38,7 +38,7 @@ from .target import Target
 
 # The symmetric regions (one symmetric allocation each); ep_peers[r, w] is region r's
 # address on rank w. Peers store into them; the owner reads them.
-REGIONS = ("ep_counts", "ep_flags", "ep_recv", "ep_ret")
+REGIONS = ("ep_counts", "ep_flags", "ep_recv", "ep_ret", "ep_ready")
 # Rows of ep_flags: which message a flag announces.
 FLAG_KINDS = ("counts", "rows", "returns")
 # ep_state entries (per rank, on the device): the call's epoch, the send and return kernels'
@@ -52,6 +52,11 @@ MAX_WORLD = 1024
 # Plan overrides this module reads; a fused launch, clusters and profiling builds are not
 # generated for several GPUs yet.
 UNSUPPORTED = ("fuse_gemms", "cluster_m", "profile", "dispatch_chunked")
+# Send overlapped with the gate/up GEMM (Plan override ep_overlap: false runs them one after
+# the other on all SMs): the send kernel takes this many SMs, the GEMM the rest. Measured on
+# 2 H200s (E64 K8 H2048 I1024, each build timed in one run, docs/perf.md): at 8192 tokens per
+# rank 8 / 16 / 32 / 48 SMs and the serial path took 2.58 / 2.13 / 2.35 / 2.52 / 2.44-2.47 ms.
+OVERLAP_COMM_CTAS = 16
 
 
 def check_ep_overrides(overrides: dict) -> None:
@@ -66,20 +71,41 @@ def received_tiles(spec: MoESpec, row_tile: int):
     return sympy.ceiling(spec.world_size * C * spec.topk / row_tile) + spec.local_experts
 
 
+def overlapped(overrides: dict) -> bool:
+    return overrides.get("ep_overlap", True)
+
+
 def comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> tuple[int, str]:
-    """CTAs of the send and return kernels. They run as their own launches between the
-    GEMMs, so nothing competes for the SMs: every SM takes one CTA of 8 warps (one row per
-    warp in flight: 16 B per lane per store, enough in flight to cover the NVLink latency
-    at the measured peer rate). `comm_sms` overrides."""
+    """CTAs (one per SM) of the send and return kernels. Overlapped, the send runs beside the
+    gate/up GEMM on SMs the GEMM leaves free; else both run alone on every SM. `comm_sms`
+    overrides."""
     if "comm_sms" in overrides:
         n = overrides["comm_sms"]
-        if not 1 <= n <= target.sms:
-            raise PlanError(f"comm_sms={n} must be in [1, {target.sms}]")
+        if not 1 <= n <= target.sms - (8 if overlapped(overrides) else 0):
+            raise PlanError(f"comm_sms={n} must be in [1, {target.sms}] (and leave 8 SMs to the GEMM when the "
+                            "send overlaps it)")
         return n, "set by override comm_sms"
     row_bytes = spec.hidden * 2
-    return target.sms, (f"send/return are separate launches (no GEMM to share the SMs with yet): all "
-                        f"{target.sms} SMs, {EP_THREADS // 32} rows of {row_bytes} B in flight per SM; the "
-                        f"peer link moves {target.nvlink_peer_gbs:.0f} GB/s per peer")
+    if overlapped(overrides):
+        return OVERLAP_COMM_CTAS, (f"the send shares the GPU with the gate/up GEMM: {OVERLAP_COMM_CTAS} SMs send "
+                                   f"(rows of {row_bytes} B, {EP_THREADS // 32} warps each), the GEMM keeps "
+                                   f"{target.sms - OVERLAP_COMM_CTAS}")
+    return target.sms, (f"send/return as separate launches: all {target.sms} SMs, {EP_THREADS // 32} rows of "
+                        f"{row_bytes} B in flight per SM; the peer link moves {target.nvlink_peer_gbs:.0f} GB/s per "
+                        "peer")
+
+
+def overlap_gemm(gateup: KernelPlan, spec: MoESpec, target: Target, overrides: dict) -> None:
+    """Make the gate/up GEMM wait per M tile for its rows (ep_ready) and leave the send's SMs
+    free: its persistent grid takes the others."""
+    ctas, _ = comm_ctas(spec, target, overrides)
+    sms = target.sms - ctas
+    gateup.params = dict(gateup.params, ep_ready=True, ep_world=spec.world_size, sms=sms,
+                         ep_rows_error=EP_ERROR + FLAG_KINDS.index("rows") * 4096)
+    at = next(i for i, a in enumerate(gateup.args) if a.name == "tile_counter") + 1
+    gateup.args[at:at] = [KernelArg("ready", "ep_ready", "i32", [spec.local_experts, spec.world_size]),
+                          KernelArg("state", "ep_state", "i32", [len(STATE)])]
+    gateup.grid = gateup.grid.replace(f"min({target.sms},", f"min({sms},")
 
 
 def ep_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
@@ -91,6 +117,8 @@ def ep_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
         Buffer("ep_flags", "i32", [str(len(FLAG_KINDS)), str(W)], memory="symmetric"),
         Buffer("ep_recv", "bf16", [rows, str(H)], memory="symmetric"),
         Buffer("ep_ret", "bf16", [_expr(C * K), str(H)], memory="symmetric"),
+        # ready[l, r] = epoch: rank r's rows of local expert l are all here (the GEMM waits)
+        Buffer("ep_ready", "i32", [str(El), str(W)], memory="symmetric"),
         Buffer("ep_peers", "i64", [str(len(REGIONS)), str(W)], memory="persistent"),
         Buffer("ep_state", "i32", [str(len(STATE))], memory="persistent"),
         Buffer("recv_off", "i32", [str(El), str(W + 1)], memory="persistent"),
@@ -99,6 +127,7 @@ def ep_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
         Buffer("send_token", "i32", [_expr(T * K + E)]),
         Buffer("send_expert", "i32", [_expr(T * K + E)]),
         Buffer("send_shift", "i32", [str(E)]),
+        Buffer("sent", "i32", [str(E)]),  # rows of each expert stored so far (the send counts)
     ]
 
 
@@ -109,9 +138,10 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
     if W > MAX_WORLD:
         raise PlanError(f"world_size={W}: at most {MAX_WORLD} ranks are planned")
     ctas, why = comm_ctas(spec, target, overrides)
+    sent = KernelArg("sent", "sent", "i32", [E])
     wait_threads = 32 * -(-W // 32)
     params = dict(world=W, experts=E, local_experts=El, topk=K, hidden=H, tile_m=row_tile, threads=EP_THREADS,
-                  comm_ctas=ctas, wait_threads=wait_threads, vec=8, status_slot=status_slot,
+                  comm_ctas=ctas, return_ctas=target.sms, wait_threads=wait_threads, vec=8, status_slot=status_slot,
                   wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, regions=list(REGIONS),
                   flag_kinds=list(FLAG_KINDS), state=list(STATE))
     peers = KernelArg("peers", "ep_peers", "i64", [len(REGIONS), W])
@@ -132,34 +162,42 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
         k("ep_layout", "layout",
           [KernelArg("ep_counts", "ep_counts", "i32", [2, W, E]), flags, state, counters,
            KernelArg("send_shift", "send_shift", "i32", [E]), recv_off, src_start,
-           KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), KernelArg("row_token", "row_token", "i32", ["M"])],
+           KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), KernelArg("row_token", "row_token", "i32", ["M"]),
+           sent, peers],
           f"({E},)", EP_THREADS,
           ["all warps: wait for every rank's counts, then for global expert e: where this rank's rows of e land "
            "on e's owner; the owner's CTAs also write the receive layout (tile table, valid rows, segments)"]),
         k("ep_send", "send",
           [KernelArg("x", "x", "bf16", ["T", H]), KernelArg("send_token", "send_token", "i32", ["R"]),
            KernelArg("send_expert", "send_expert", "i32", ["R"]), KernelArg("send_shift", "send_shift", "i32", [E]),
-           peers, state, counters],
+           KernelArg("counts", "counts", "i32", [E]), sent, peers, state, counters],
           f"({ctas},)", EP_THREADS,
-          ["every warp: one row at a time, 16 B per lane, stored into the owner's ep_recv; the last CTA raises "
-           "each owner's rows flag (fence, then release store at system scope)"]),
+          ["every warp: blocks of 32 rows, 16 B per lane, stored into the owners' ep_recv; per block a fence "
+           "(system scope) and per-expert counts; the add that completes an expert raises its ready flag on the "
+           "owner; the last CTA raises each owner's rows flag"]),
         k("ep_wait_rows", "wait_rows", [flags, state, counters], "(1,)", wait_threads,
           ["one thread per rank: spin (acquire, system scope, bounded) until its rows flag holds this epoch"]),
         k("ep_return", "return_rows",
           [KernelArg("y", "y", "bf16", ["M", H]), KernelArg("row_token", "row_token", "i32", ["M"]),
            KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), recv_off, src_start, peers, state, counters],
-          f"({ctas},)", EP_THREADS,
+          f"({params['return_ctas']},)", EP_THREADS,
           ["every warp: one received row at a time, stored back into its source rank's ep_ret at its send "
            "position; the last CTA raises each source's returns flag"]),
         k("ep_wait_returns", "wait_returns", [flags, state, counters], "(1,)", wait_threads,
           ["one thread per rank: spin (acquire, system scope, bounded) until its returns flag holds this epoch"]),
     ]
     rows = _expr(received_tiles(spec, row_tile) * row_tile)
+    order = ("send order local-expert-major (every rank sends every owner's local expert 0 first, then 1, ...): "
+             "each owner's GEMM walks its M tiles in that order")
+    if overlapped(overrides):
+        order += (f"; the send runs on a second stream beside gemm_gateup, whose producer waits per M tile "
+                  f"(acquire, system scope, bounded) until every rank's rows of its expert are stored")
     decisions = [
         f"expert parallel over {W} GPUs ({spec.topology}, P2P stores, no multicast): {El} experts per rank; rows "
         "move by device-initiated stores into the owner's symmetric memory, flags carry the call's epoch "
         "(release/acquire at system scope, bounded waits); no host sync and no collective library in the layer",
-        f"communication: {ctas} CTAs for send and return; {why}",
+        f"communication: {ctas} CTAs send; {why}; the return runs after the down GEMM on all {target.sms} SMs",
+        order,
         f"receive layout: by local expert, then source rank, then the source's send order, each expert padded to "
         f"{row_tile} rows: fixed by the counts alone, so the same routing always gives the same rows and bits",
         f"peer workspace per rank for C tokens per rank: ep_recv {rows} x {H} bf16 (all ranks' rows could go to "

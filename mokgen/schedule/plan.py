@@ -111,6 +111,9 @@ class Plan:
     # Buffers the runtime zeroes before an entry point's kernels, where none of them does
     # (entry -> names; dispatch_count zeroes tile_counters in the entries that dispatch).
     zeroed: dict = field(default_factory=dict)
+    # Kernels launched on a second stream (forked from the main one where they stand in the
+    # steps, joined at the entry's end), to run beside the kernels that follow them.
+    side_stream: list = field(default_factory=list)
 
     # ---- (de)serialisation -------------------------------------------------------
     def to_dict(self) -> dict:
@@ -327,6 +330,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     dparams = dict(experts=spec.experts if ep else E, topk=K, tile_m=1 if ep else row_tile, threads=dispatch_threads,
                    items_per_thread=DISPATCH_ITEMS, tile_align=cluster_m, status_slot=status_slot,
                    bad_ids_code=BAD_IDS_CODE)
+    if ep:  # the send order: local expert first (expert_parallel.py)
+        dparams.update(order_world=spec.world_size, order_local=E)
     d_experts = dparams["experts"]
     kernels += [
         KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
@@ -432,6 +437,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     if ep:  # the received rows are contiguous and grouped by expert: TMA loads them
         gateup = gemm("gemm_gateup", "gemm_gateup", "ep_recv", ("w_gate", "w_up"), "h", I, H, "swiglu",
                       "tile_expert", "M", "MT", E, "Routed gate/up projection (received rows) with the SwiGLU epilogue.")
+        if expert_parallel.overlapped(overrides or {}):
+            expert_parallel.overlap_gemm(gateup, spec, target, overrides or {})
     else:
         gateup = gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
                       "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue.", gather_a=True)
@@ -494,18 +501,25 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             f"gemm_fused also combines: each down tile raises tile_counters[{done_slot}] after its stores; once a CTA "
             "has no tile left, its consumer warps wait until every down tile is stored, then reduce token rows "
             "t = CTA, CTA + grid, ... with the combine's fixed k order (the same bits as the combine kernel)")
-    sm_roles, queues = {"compute": target.sms, "communication": 0}, []
+    sm_roles, queues, side_stream = {"compute": target.sms, "communication": 0}, [], []
     if ep:
         ep_ks, ep_why, queues, ctas = expert_parallel.ep_kernels(
             spec, target, row_tile, n_counters, status_slot,
             int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000, overrides or {})
         kernels += ep_ks
         decisions += ep_why
-        sm_roles = {"compute": target.sms, "communication": ctas, "shared": "time-sliced: separate launches"}
+        sm_roles = ({"compute": target.sms - ctas, "communication": ctas} if expert_parallel.overlapped(overrides or {})
+                    else {"compute": target.sms, "communication": ctas, "shared": "time-sliced: separate launches"})
         shared_steps = ["shared_gateup", "shared_down"] if S else []
-        # The shared expert's GEMMs run while the peers' rows are in flight.
-        steps["forward"] = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send"] + \
-            shared_steps + ["ep_wait_rows", "gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns", "combine"]
+        # The shared expert's GEMMs run while the peers' rows are in flight; overlapped, the
+        # send runs on the second stream and gate/up waits per M tile instead of ep_wait_rows.
+        head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send"] + shared_steps
+        if expert_parallel.overlapped(overrides or {}):  # the send beside gate/up, which waits per M tile
+            steps["forward"] = head + ["gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns", "combine"]
+            side_stream = ["ep_send"]
+        else:
+            steps["forward"] = head + ["ep_wait_rows", "gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns",
+                                       "combine"]
     forward = steps["forward"]
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
 
@@ -557,6 +571,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         task_graph=task_graph,
         fused_max_tokens=FUSED_MAX_TOKENS if paths == "by_tokens" else 0,
         zeroed={"backward": ["tile_counters"]} if backward else {},
+        side_stream=side_stream,
     )
     check_plan(plan, graph)
     return plan
@@ -681,7 +696,7 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 # debug_break_dependency makes the fused launch's down tiles wait for a count h_ready never
 # reaches (tests check that a broken dependency ends in a clear error, not a hang).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|profile|fuse_gemms"
-                           r"|cluster_m|dispatch_chunked|comm_sms"
+                           r"|cluster_m|dispatch_chunked|comm_sms|ep_overlap"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -693,7 +708,8 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"unknown plan override {key!r}")
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
-        if key in ("debug_unchecked", "debug_break_dependency", "profile", "fuse_gemms", "dispatch_chunked"):
+        if key in ("debug_unchecked", "debug_break_dependency", "profile", "fuse_gemms", "dispatch_chunked",
+                   "ep_overlap"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
