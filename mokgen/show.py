@@ -29,6 +29,8 @@ def format_plan(plan: dict) -> str:
         "kernels (launch order: " + " -> ".join(plan["steps"]["forward"]) + "; route: "
         + " -> ".join(plan["steps"]["route"]) + ")",
     ]
+    if plan.get("side_stream"):
+        out.append("          on a second stream, beside the kernels after them: " + ", ".join(plan["side_stream"]))
     if "forward_fused" in plan["steps"]:
         out.append(f"          calls with T <= {plan['fused_max_tokens']}: "
                    + " -> ".join(plan["steps"]["forward_fused"]))
