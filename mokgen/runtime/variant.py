@@ -22,7 +22,7 @@ from ..ir.graph import T as T_SYM
 from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS
 from ..schedule.plan import BAD_IDS_CODE, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
 from .checks import InputError
-from .library import Launcher, cuda_stream, open_library
+from .library import Launcher, open_library
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 LIB_NAME = "libmokgen.so"
@@ -94,7 +94,7 @@ class Variant:
         ]
         self.expert_parallel = self.spec.world_size > 1
         self._side_kernels = frozenset(self.plan.get("side_stream", ()))
-        self._side_streams: dict = {}
+        self._own_streams: dict = {}  # device -> (main, side): the streams of a two-stream entry
         # Kernels whose grid scales with T (none of their CTAs exist at T = 0): a rank of an
         # expert-parallel group without tokens still runs the rest, to serve its peers.
         self._token_grids = frozenset(k["name"] for k in self.plan["kernels"]
@@ -203,9 +203,9 @@ class Variant:
                 caller.wait_stream(side)
 
     def _streams(self, device) -> tuple:
-        if device not in self._side_streams:
-            self._side_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return self._side_streams[device]
+        if device not in self._own_streams:
+            self._own_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._own_streams[device]
 
     def forward_entry(self, tokens: int) -> str:
         """The Plan's forward path for this many tokens: the fused launch up to

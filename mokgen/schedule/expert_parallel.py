@@ -11,10 +11,12 @@ host synchronisation and no collective library:
                  matrix compute where each of this rank's rows lands on its owner and the
                  receive layout of the local experts: by local expert, then source rank, then
                  send order, each expert padded to the GEMM M tile
-    send         store each row x[t] into its owner's ep_recv; the last CTA raises the
-                 owner's rows flag
-    wait_rows    wait until every rank's rows have arrived (bounded)
-    GEMMs        gate/up + SwiGLU and down over ep_recv (TMA, no gather), as on one GPU
+    send         store each row x[t] into its owner's ep_recv, local-expert-major; the store
+                 that completes an expert raises its ready flag on the owner (and the last
+                 CTA the owner's rows flag). It runs on a second stream on a few SMs, beside:
+    GEMMs        gate/up + SwiGLU (whose producer waits per M tile for its expert's ready
+                 flags from every rank) and down over ep_recv (TMA, no gather). With
+                 ep_overlap: false, wait_rows waits for every rank's rows flag first.
     return       store each result row into its source rank's ep_ret, at the row's send
                  position; the last CTA raises the source's returns flag
     wait_returns wait until every rank has returned this rank's rows (bounded)
@@ -190,8 +192,8 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
     order = ("send order local-expert-major (every rank sends every owner's local expert 0 first, then 1, ...): "
              "each owner's GEMM walks its M tiles in that order")
     if overlapped(overrides):
-        order += (f"; the send runs on a second stream beside gemm_gateup, whose producer waits per M tile "
-                  f"(acquire, system scope, bounded) until every rank's rows of its expert are stored")
+        order += ("; the send runs on a second stream beside gemm_gateup, whose producer waits per M tile "
+                  "(acquire, system scope, bounded) until every rank's rows of its expert are stored")
     decisions = [
         f"expert parallel over {W} GPUs ({spec.topology}, P2P stores, no multicast): {El} experts per rank; rows "
         "move by device-initiated stores into the owner's symmetric memory, flags carry the call's epoch "
