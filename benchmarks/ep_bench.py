@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import mokgen
 from mokgen.runtime import find_variant
+from mokgen.schedule import H200
 from mokgen.runtime.peers import workspace
 
 
@@ -195,7 +196,9 @@ def main():
         rows.append(row)
         if rank == 0:
             print(f"T={T}/rank  mokgen {ms:.3f} ms ({row['mokgen_tflops_per_gpu']:.0f} TF/s/GPU)  torch EP "
-                  f"{ms_torch:.3f} ms ({row['torch_tflops_per_gpu']:.0f})  ratio {row['ratio']:.2f}x  | mokgen from a "
+                  f"{ms_torch:.3f} ms ({row['torch_tflops_per_gpu']:.0f})  ratio {row['ratio']:.2f}x  | "
+                  f"{100 * row['mokgen_tflops_per_gpu'] / H200.dense_bf16_tflops:.0f}% of the dense bf16 GEMM peak per "
+                  f"GPU ({H200.dense_bf16_tflops:.0f} TF/s, measured)  | mokgen from a "
                   f"CUDA graph {ms_graph:.3f} ms ({fl / ms_graph / 1e9:.0f} TF/s/GPU, {ms_torch / ms_graph:.2f}x)  | single GPU "
                   f"same work {ms_single:.3f} ms -> EP at {100 * row['per_gpu_vs_single']:.0f}%  | diff vs torch "
                   f"{err:.1e}", flush=True)
