@@ -43,7 +43,7 @@ def routing(T, E, K, kind, rank, world, gen):
     return ids, w
 
 
-def poison(variant) -> None:
+def poison() -> None:
     """NaN into every row buffer of this rank's peer workspace (then a barrier: no peer
     stores before this rank has poisoned)."""
     for ws in _WORKSPACES.values():
@@ -88,7 +88,7 @@ def main():
         nonlocal failures
         x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
         ids, w = routing(T, E, K, kind, rank, world, gen)
-        poison(None)
+        poison()
         outs = []
         t0 = time.time()
         with torch.no_grad():

@@ -129,19 +129,29 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     if group is not None:
         return _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                                     (E, K, H, I, S), check_ids, group, max_tokens)
-    try:
-        v = find_variant(E, K, H, I, S)
-    except Exception as e:  # spec errors name the offending size
-        if e.__class__.__name__ == "SpecError":
-            raise InputError(f"these shapes cannot be generated: {e}") from None
-        raise
+    v = _variant_for(E, K, H, I, S)
     if check_ids:
         check_ids_in_range(topk_ids, E, x)
-    params = (x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
+    training = _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
     if training and not recompute and v.has_backward:
         return v.ops.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)[0]
     return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+
+
+def _needs_grad(*params) -> bool:
+    """Whether autograd will ask for gradients of this call."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
+
+
+def _variant_for(E, K, H, I, S, world_size: int = 1) -> Variant:
+    """find_variant, with a spec the sizes make illegal reported as the caller's InputError."""
+    try:
+        return find_variant(E, K, H, I, S, world_size=world_size)
+    except Exception as e:  # spec errors name the offending size
+        if e.__class__.__name__ == "SpecError":
+            gpus = f" for {world_size} GPUs" if world_size > 1 else ""
+            raise InputError(f"these shapes cannot be generated{gpus}: {e}") from None
+        raise
 
 
 def _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, sizes,
@@ -155,16 +165,10 @@ def _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gat
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < 1):
         raise InputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    params = (x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params):
+    if _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
         raise NotImplementedError("the expert-parallel backward is not generated yet: call mokgen.moe(..., "
                                   "group=...) under torch.no_grad() or with tensors that do not require grad")
-    try:
-        v = find_variant(E_local * W, K, H, I, S, world_size=W)
-    except Exception as e:
-        if e.__class__.__name__ == "SpecError":
-            raise InputError(f"these shapes cannot be generated for {W} GPUs: {e}") from None
-        raise
+    v = _variant_for(E_local * W, K, H, I, S, world_size=W)
     if check_ids:
         check_ids_in_range(topk_ids, E_local * W, x)
     peers = workspace(v, group, x.shape[0], max_tokens)

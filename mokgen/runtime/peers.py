@@ -37,6 +37,7 @@ class PeerWorkspace:
         self.group, self.capacity, self.device = group, capacity, device
         self.rank = dist.get_rank(group)
         self.buffers: dict[str, torch.Tensor] = {}
+        self._handles = []  # the symmetric allocations' handles, kept alive with the buffers
         addresses = {}
         for b in plan["buffers"]:
             if b["memory"] == "symmetric":
@@ -45,7 +46,7 @@ class PeerWorkspace:
                 handle = symm_mem.rendezvous(t, group.group_name)
                 addresses[b["name"]] = list(handle.buffer_ptrs)
                 self.buffers[b["name"]] = t
-                self._handles = getattr(self, "_handles", []) + [handle]
+                self._handles.append(handle)
             elif b["memory"] == "persistent":
                 self.buffers[b["name"]] = torch.zeros(_shape(b, capacity), dtype=DTYPES[b["dtype"]], device=device)
         self.buffers["ep_peers"].copy_(torch.tensor([addresses[r] for r in REGIONS], dtype=torch.int64))
