@@ -1,13 +1,15 @@
 """Expert-parallel forward on several GPUs: mokgen against torch expert parallelism, one run.
 
-    torchrun --nproc-per-node=2 benchmarks/ep_bench.py [--tokens 4096,8192] [--json out.json]
+    torchrun --nproc-per-node=2 benchmarks/ep_bench.py [--tokens 4096,8192] [--backward] [--json out.json]
 
 Per rank: T tokens, E/W local experts, uniform random routing over all E experts. Times
 (CUDA events, warm-up, median; the slowest rank's figure) the mokgen layer, the torch
 baseline (sort, count exchange, all_to_all, torch._grouped_mm experts, all_to_all back,
 weighted index_add), and on one GPU the single-GPU mokgen layer doing the same local work
 (T tokens over all E experts). Also times mokgen's send and return kernels alone and
-reports the NVLink bytes they move and the rate achieved.
+reports the NVLink bytes they move and the rate achieved. --backward also times forward +
+backward through autograd (FLOPs counted as 3x the forward's) against the torch baseline with
+autograd, and the backward's kernels.
 """
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ from mokgen.runtime.peers import workspace
 
 def torch_ep(x, ids, w, w13, wd, E, group):
     """The layer with expert parallelism as a PyTorch user writes it (two NCCL all_to_alls,
-    one host sync for the split sizes)."""
+    one host sync for the split sizes); differentiable (the all_to_alls through
+    torch.distributed.nn, whose backward is the reverse all_to_all)."""
+    from torch.distributed.nn.functional import all_to_all_single as a2a
+
     W = dist.get_world_size(group)
     El, K, I = E // W, ids.shape[1], wd.shape[2]
     flat = ids.reshape(-1).long()
@@ -39,20 +44,16 @@ def torch_ep(x, ids, w, w13, wd, E, group):
     dist.all_to_all_single(counts_in, counts, group=group)
     send = counts.view(W, El).sum(1).tolist()
     recv = counts_in.view(W, El).sum(1).tolist()
-    xr = x.new_empty(sum(recv), x.shape[1])
-    dist.all_to_all_single(xr, x[tok], recv, send, group=group)
+    xr = a2a(x.new_empty(sum(recv), x.shape[1]), x[tok], recv, send, group=group)
     local = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(W), counts_in)
     by_expert = torch.argsort(local, stable=True)  # arrivals are by source, then expert
     offs = torch.cumsum(counts_in.view(W, El).sum(0), 0).to(torch.int32)
     h13 = torch._grouped_mm(xr[by_expert], w13.transpose(1, 2), offs=offs)
     y = torch._grouped_mm(F.silu(h13[:, :I]) * h13[:, I:], wd.transpose(1, 2), offs=offs)
-    ys = torch.empty_like(y)
-    ys[by_expert] = y
-    back = x.new_empty(sum(send), x.shape[1])
-    dist.all_to_all_single(back, ys, send, recv, group=group)
+    ys = torch.empty_like(y).index_copy(0, by_expert, y)
+    back = a2a(x.new_empty(sum(send), x.shape[1]), ys, send, recv, group=group)
     out = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-    out.index_add_(0, tok, back.float() * w.reshape(-1)[order, None])
-    return out.to(x.dtype)
+    return out.index_add(0, tok, back.float() * w.reshape(-1)[order, None]).to(x.dtype)
 
 
 def timed(fn, warm=5, iters=20):
@@ -125,12 +126,57 @@ def host_profile(call, rank, calls=50):
         pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
+BACKWARD_KERNELS = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd", "ep_send_bwd", "ep_wait_rows",
+                    "bwd_recompute", "bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup", "ep_return_bwd", "wgrad_down",
+                    "wgrad_gate", "wgrad_up", "ep_wait_returns", "bwd_combine"]
+
+
+def bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, single, group, rank, g):
+    """Forward + backward through autograd: mokgen's layer against torch EP with autograd, and
+    the single-GPU mokgen layer on the same local work; parameter gradients reset each call."""
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    w, ids = torch.topk(torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1), K, -1)
+    ids, w = ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float().requires_grad_(True)
+    dout = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    params = [t.clone().requires_grad_(True) for t in (wg, wu, wd)]
+    w13 = torch.cat([wg, wu], 1).requires_grad_(True)
+    wd_t = wd.clone().requires_grad_(True)
+
+    def step(fn, leaves):
+        for t in leaves:
+            t.grad = None
+        fn().backward(dout)
+
+    mk = lambda: mokgen.moe(x, ids, w, *params, group=group, max_tokens=max(tokens), check_ids=False)
+    ms = timed(lambda: step(mk, [x, w, *params]))
+    ms_torch = timed(lambda: step(lambda: torch_ep(x, ids, w, w13, wd_t, E, group), [x, w, w13, wd_t]))
+    kt = kernel_times(v, lambda: step(mk, [x, w, *params]), BACKWARD_KERNELS)
+    ones = [(torch.randn(E, I, H, device="cuda", generator=g) / math.sqrt(H)).bfloat16().requires_grad_(True)
+            for _ in range(2)] + [(torch.randn(E, H, I, device="cuda", generator=g) / math.sqrt(I)).bfloat16()
+                                  .requires_grad_(True)]
+    ms_single = timed(lambda: step(lambda: mokgen.moe(x, ids, w, *ones, check_ids=False), [x, w, *ones]))
+    fl = 3 * 6.0 * T * K * H * I
+    row = dict(shape=f"E{E} K{K} H{H} I{I}", world=dist.get_world_size(group), tokens_per_rank=T,
+               mode="forward+backward", mokgen_ms=ms, torch_ep_ms=ms_torch, ratio=ms_torch / ms,
+               mokgen_tflops_per_gpu=fl / ms / 1e9, torch_tflops_per_gpu=fl / ms_torch / 1e9, single_gpu_ms=ms_single,
+               per_gpu_vs_single=ms_single / ms, kernels_ms=kt)
+    if rank == 0:
+        print(f"T={T}/rank forward+backward  mokgen {ms:.3f} ms ({row['mokgen_tflops_per_gpu']:.0f} TF/s/GPU)  torch EP "
+              f"{ms_torch:.3f} ms ({row['torch_tflops_per_gpu']:.0f})  ratio {row['ratio']:.2f}x  | "
+              f"{100 * row['mokgen_tflops_per_gpu'] / H200.dense_bf16_tflops:.0f}% of the dense bf16 GEMM peak  | "
+              f"single GPU same work {ms_single:.3f} ms -> EP at {100 * row['per_gpu_vs_single']:.0f}%", flush=True)
+        print("   backward kernels (ms): " + ", ".join(f"{k} {t:.3f}" for k, t in kt.items()), flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="64,8,2048,1024")
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--json", default=None)
     ap.add_argument("--host-profile", action="store_true", help="also print where the host spends an eager call")
+    ap.add_argument("--backward", action="store_true", help="also time forward + backward through autograd")
+    ap.add_argument("--forward", default="yes", choices=["yes", "no"], help="time the forward alone (default yes)")
     ap.add_argument("--variants", default="", help="comma-separated variant directories (builds of the same layer "
                                                     "with other Plan decisions) to time beside it")
     a = ap.parse_args()
@@ -150,7 +196,9 @@ def main():
     v = find_variant(E, K, H, I, 0, world_size=world)
     single = find_variant(E, K, H, I, 0)
     rows = []
-    for T in tokens:
+    for T in tokens if a.backward else ():
+        rows.append(bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, single, group, rank, g))
+    for T in tokens if a.forward == "yes" else ():
         x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
         w, ids = torch.topk(torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1), K, -1)
         ids, w = ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()

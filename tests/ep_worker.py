@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import mokgen
-from mokgen.reference import moe_reference, rel_error
+from mokgen.reference import dot_error_scales, expert_ffn, moe_reference, moe_reference_backward, rel_error
 from mokgen.runtime import KernelTimeout
 from mokgen.runtime.peers import _WORKSPACES
 
@@ -47,8 +47,9 @@ def poison() -> None:
     """NaN into every row buffer of this rank's peer workspace (then a barrier: no peer
     stores before this rank has poisoned)."""
     for ws in _WORKSPACES.values():
-        for name in ("ep_recv", "ep_ret", "h", "y"):
-            ws.buffers[name].fill_(float("nan"))
+        for name in ("ep_recv", "ep_ret", "h", "y", "ep_grad", "ep_recv_w", "ep_ret_w"):
+            if name in ws.buffers:  # (the backward's regions exist after the first backward)
+                ws.buffers[name].fill_(float("nan"))
     torch.cuda.synchronize()
     dist.barrier()
 
@@ -58,6 +59,7 @@ def main():
     ap.add_argument("--shape", default="64,8,2048,1024,0")
     ap.add_argument("--tokens", default="1,513,4096,8192")
     ap.add_argument("--no-timeout-case", action="store_true")
+    ap.add_argument("--grad-tokens", default="1,513,4096", help="token counts per rank of the backward cases")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
@@ -65,7 +67,7 @@ def main():
     E, K, H, I, S = (int(v) for v in a.shape.split(","))
     El = E // world
     tokens = [int(t) for t in a.tokens.split(",")]
-    cap = max(tokens)
+    cap = max(tokens + [int(t) for t in a.grad_tokens.split(",") if t])
     seed = torch.tensor([random.SystemRandom().randrange(2**31)], device="cuda")
     dist.broadcast(seed, 0)  # one seed, fresh every run: every rank can rebuild every weight
     g = torch.Generator(device="cuda")
@@ -137,6 +139,69 @@ def main():
             failures += not ok
             print(f"rank {rank} {'CUDA graph replay':28s} T={T:<5d} {kind:8s} err={err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
+
+    # ---- backward: every gradient against float64 autograd of the global layer ----------
+    from mokgen.runtime import find_variant
+    from mokgen.verify import gradient_error
+
+    find_variant(E, K, H, I, S, world_size=world).poison = True  # per-call buffers and gradients start NaN
+    grad_cases = iter(range(1, 1 << 30))
+    shared_names = ("ws_gate", "ws_up", "ws_down")
+
+    def inputs_of(case_seed, r, T, kind):
+        """Rank r's x, ids, w, dout of a case: every rank can make every rank's."""
+        g_r = torch.Generator(device="cuda")
+        g_r.manual_seed(case_seed * 4099 + r)
+        x = torch.randn(T, H, device="cuda", generator=g_r).bfloat16()
+        ids, w = routing(T, E, K, kind, r, world, g_r)
+        return x, ids, w, torch.randn(T, H, device="cuda", generator=g_r).bfloat16()
+
+    def mokgen_grads(x, ids, w, dout):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, *local, *(shared[n] for n in shared_names if S))]
+        out = mokgen.moe(leaves[0], ids, leaves[1], *leaves[2:5], group=dist.group.WORLD, max_tokens=cap,
+                         **dict(zip(shared_names, leaves[5:])))
+        out.backward(dout)
+        mokgen.check_errors()
+        names = ["dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"] + (["d_ws_gate", "d_ws_up", "d_ws_down"]
+                                                                              if S else [])
+        return dict(zip(names, (t.grad for t in leaves)))
+
+    def grad_case(name, Ts, kind, runs=1):
+        nonlocal failures
+        case_seed = int(seed.item()) % 100000 + next(grad_cases)
+        every = [inputs_of(case_seed, r, Ts[r], kind) for r in range(world)]
+        x, ids, w, dout = every[rank]
+        poison()
+        t0 = time.time()
+        got = [mokgen_grads(x, ids, w, dout) for _ in range(runs)]
+        # the global routed layer over every rank's tokens; the shared expert on this rank's own
+        X, IDS, W_, DOUT = (torch.cat([e[i] for e in every]) for i in range(4))
+        ref = moe_reference_backward(DOUT, X, IDS, W_, wg, wu, wd)
+        first = sum(Ts[:rank])
+        want = {"dx": ref["dx"][first:first + Ts[rank]], "d_topk_weights": ref["d_topk_weights"][first:first + Ts[rank]],
+                "d_w_gate": ref["d_w_gate"][mine], "d_w_up": ref["d_w_up"][mine], "d_w_down": ref["d_w_down"][mine]}
+        if S:
+            leaves = [t.detach().double().requires_grad_(True) for t in (x, *(shared[n] for n in shared_names))]
+            expert_ffn(*leaves).backward(dout.double())
+            want["dx"] = want["dx"] + leaves[0].grad
+            want.update(zip(("d_ws_gate", "d_ws_up", "d_ws_down"), (t.grad for t in leaves[1:])))
+        scale = dot_error_scales(dout, x, ids, wg, wu, wd)
+        errs = {k: (gradient_error(k, got[0][k], want[k], scale) if got[0][k].numel() else 0.0) for k in want}
+        nan = [k for k in got[0] if torch.isnan(got[0][k]).any().item()]
+        same = all(torch.equal(g[k], got[0][k]) for g in got[1:] for k in got[0])
+        ok = not nan and same and all(e < TOL for e in errs.values())
+        failures += not ok
+        worst = max(errs, key=errs.get)
+        print(f"rank {rank} {name:28s} T={Ts[rank]:<5d} {kind:8s} worst {worst} {errs[worst]:.2e} nan={nan or '-'} "
+              f"runs={runs} same_bits={same} {time.time() - t0:.1f}s {'ok' if ok else 'FAIL'}", flush=True)
+
+    for T in (int(t) for t in a.grad_tokens.split(",") if t):
+        for kind in ("uniform", "skewed"):
+            grad_case("backward golden", [T] * world, kind)
+    grad_case("backward uneven", [513 if r == 0 else 7 for r in range(world)], "uniform")
+    grad_case("backward one rank empty", [0 if r == world - 1 else 300 for r in range(world)], "skewed")
+    grad_case("backward 20 runs, same bits", [min(1024, cap)] * world, "skewed", runs=20)
+    find_variant(E, K, H, I, S, world_size=world).poison = False
 
     if not a.no_timeout_case:
         # rank world-1 does not take part: the others raise KernelTimeout within the bound

@@ -146,6 +146,7 @@ def test_random_legal_specs_compile(tmp_path):
 EP_SPEC = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=512, world_size=2,
                   topology="nvlink")
 EXCHANGE = ("ep_publish", "ep_layout", "ep_send", "ep_return", "ep_wait_returns")  # (the overlapped Plan)
+EXCHANGE_BWD = ("ep_layout_bwd", "ep_send_bwd", "ep_return_bwd")  # the backward's
 
 
 def check_exchange_ptx(build_dir: Path) -> None:
@@ -156,6 +157,11 @@ def check_exchange_ptx(build_dir: Path) -> None:
         assert "fence.acq_rel.sys" in ptx[k] and "st.release.sys.global" in ptx[k], k
     for k in ("ep_send", "ep_return"):
         assert "st.global.v4" in ptx[k], f"{k}: rows are not stored 16 B at a time"
+    if (build_dir / "ep_send_bwd.ptx").exists():
+        bwd = {k: (build_dir / f"{k}.ptx").read_text() for k in EXCHANGE_BWD}
+        for k in ("ep_send_bwd", "ep_return_bwd"):
+            assert "fence.acq_rel.sys" in bwd[k] and "st.release.sys.global" in bwd[k] and "st.global.v4" in bwd[k], k
+        assert "st.global.v4" in bwd["ep_layout_bwd"]  # it zeroes the padding rows, 16 B at a time
     for k in ("ep_layout", "ep_wait_returns"):
         assert "ld.acquire.sys.global" in ptx[k] and "%globaltimer" in ptx[k], k
     gateup = build_dir / "gemm_gateup.ptx"  # its producer waits for each expert's rows
@@ -171,13 +177,15 @@ def test_expert_parallel_variant_compiles(tmp_path):
     path = build(EP_SPEC, tmp_path, log=lambda m: None)
     syms = subprocess.run(["nm", "-D", "--defined-only", str(path / "build" / "libmokgen.so")], capture_output=True,
                           text=True).stdout
-    for k in EXCHANGE + ("gemm_gateup", "gemm_down", "shared_gateup", "combine"):
+    backward = ("bwd_recompute", "bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup", "wgrad_down", "wgrad_gate",
+                "wgrad_up", "bwd_combine", "bwd_shared_swiglu", "wgrad_shared_up")
+    for k in EXCHANGE + EXCHANGE_BWD + ("gemm_gateup", "gemm_down", "shared_gateup", "combine") + backward:
         assert f"mokgen_{k}_launch" in syms, k
     check_exchange_ptx(path / "build")
     tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed")
-    for name in ("gemm_gateup", "gemm_down"):
+    for name in ("gemm_gateup", "gemm_down", "bwd_recompute", "bwd_dgrad_down", "wgrad_down", "wgrad_gate"):
         sass = subprocess.run([tool, str(path / "build" / f"{name}.cubin")], capture_output=True, text=True,
                               check=True).stdout
         assert "HGMMA" in sass and "UTMALDG" in sass and not any(op in sass for op in ("LDL", "STL")), name

@@ -74,9 +74,10 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
     serial = make_plan(EP2, overrides={"ep_overlap": False})
     assert "ep_wait_rows" in serial.steps["forward"] and not serial.side_stream
     assert not serial.kernel("gemm_gateup").params.get("ep_ready")
-    assert "backward" not in p.steps and "forward_fused" not in p.steps
+    assert "backward" not in p.steps and "forward_fused" not in p.steps and "forward_train" not in p.steps
     mem = {b.name: b.memory for b in p.buffers}
-    assert {n for n, m in mem.items() if m == "symmetric"} == {"ep_counts", "ep_flags", "ep_recv", "ep_ret", "ep_ready"}
+    assert {n for n, m in mem.items() if m == "symmetric"} == {"ep_counts", "ep_flags", "ep_recv", "ep_ret", "ep_ready",
+                                                               "ep_grad", "ep_recv_w", "ep_ret_w"}
     assert mem["h"] == mem["y"] == mem["tile_expert"] == "persistent" and mem["pos"] == "call"
     assert mem["ep_ready"] == "symmetric"
     # dispatch groups by global expert, one row per tile; the GEMMs see local experts
@@ -87,6 +88,34 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
     assert p.kernel("dispatch_scatter").params["order_world"] == 2
     assert any("expert parallel over 2 GPUs" in d for d in p.decisions)
     assert json.loads(Plan.from_dict(json.loads(p.to_json())).to_json()) == json.loads(p.to_json())
+
+
+def test_expert_parallel_backward_exchanges_again_and_runs_on_the_received_rows():
+    p = make_plan(EP2)
+    bwd = p.steps["backward_recompute"]
+    assert bwd[:5] == ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd", "ep_send_bwd"]
+    assert bwd[-2:] == ["ep_wait_returns", "bwd_combine"]
+    # the rows are received before any routed GEMM reads them; returned before the weight gradients
+    assert bwd.index("ep_wait_rows") < bwd.index("bwd_recompute") < bwd.index("ep_return_bwd") < bwd.index("wgrad_down")
+    # nothing of the forward's layout is used: the forward entries never touch the backward's regions
+    forward_tensors = {a.tensor for n in p.steps["forward"] for a in p.kernel(n).args}
+    assert not forward_tensors & {"ep_grad", "ep_recv_w", "ep_ret_w", "d_rows", "ga"}
+    send = p.kernel("ep_send_bwd")
+    assert send.module == "ep_bwd" and send.params["bwd"] and send.params["comm_ctas"] == 132
+    assert [a.tensor for a in send.args[:4]] == ["x", "dout", "pos", "topk_weights"]
+    assert p.kernel("ep_layout_bwd").params["zero_padding"] == ["ep_recv", "ep_grad"]
+    assert [a.tensor for a in p.kernel("ep_return_bwd").args[:2]] == ["dxs", "d_rows"]
+    # received rows by TMA, no gathers; the weight gradients count the received rows
+    assert not p.kernel("bwd_recompute").params["gather_a"] and p.kernel("bwd_recompute").args[0].tensor == "ep_recv"
+    assert p.kernel("bwd_dgrad_down").args[0].tensor == "ep_grad"
+    for name, operand in (("wgrad_down", "ep_grad"), ("wgrad_gate", "ep_recv"), ("wgrad_up", "ep_recv")):
+        k = p.kernel(name)
+        assert operand in {a.tensor for a in k.args} and not k.params["gather_mn"]
+        assert "recv_counts" in {a.tensor for a in k.args}
+    assert p.kernel("bwd_swiglu").params["ep"]
+    combine = p.kernel("bwd_combine")
+    assert combine.params["dweights"] and combine.params["experts"] == 64
+    assert [a.tensor for a in combine.args][-2:] == ["ep_ret_w", "d_topk_weights"]
 
 
 def test_expert_parallel_plans_for_an_nvl72_domain_and_takes_comm_sms():

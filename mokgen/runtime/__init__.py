@@ -121,7 +121,9 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     make the same calls in the same order (a rank that does not take part is reported as a
     KernelTimeout on the others, never a hang). The group's peer workspace is made by the
     first call, for max_tokens tokens per rank (default: the largest T of that first call
-    over the group). Forward only for now.
+    over the group). Differentiable too: the backward saves the inputs only and exchanges
+    again; it is collective as well (every rank runs the backward of every layer it ran, so
+    the layer's output must reach every rank's loss). recompute does not apply.
     """
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
@@ -165,14 +167,35 @@ def _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gat
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < 1):
         raise InputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
-        raise NotImplementedError("the expert-parallel backward is not generated yet: call mokgen.moe(..., "
-                                  "group=...) under torch.no_grad() or with tensors that do not require grad")
     v = _variant_for(E_local * W, K, H, I, S, world_size=W)
     if check_ids:
         check_ids_in_range(topk_ids, E_local * W, x)
     peers = workspace(v, group, x.shape[0], max_tokens)
+    if _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+        if not v.has_backward:
+            raise NotImplementedError(f"{v.name}: the backward is not generated for this layer ({v.why_no_backward()})")
+        return _ExpertParallelMoE.apply(v, peers, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up,
+                                        ws_down)
     return v.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, peers=peers)
+
+
+class _ExpertParallelMoE(torch.autograd.Function):
+    """The expert-parallel layer under autograd. It saves the inputs only: the backward is
+    collective (every rank of the group runs it, for every layer, in the same order) and
+    exchanges the pairs' rows again (Variant.backward with the peer workspace)."""
+
+    @staticmethod
+    def forward(ctx, v, peers, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+        ctx.variant, ctx.peers = v, peers
+        ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        return v.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, peers=peers)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, ids, w, wg, wu, wd, sg, su, sd = ctx.saved_tensors
+        dx, dw, dg, du, dd, dsg, dsu, dsd = ctx.variant.backward(dout.contiguous(), x, ids, w, wg, wu, wd, sg, su, sd,
+                                                                  peers=ctx.peers)
+        return None, None, dx, None, dw, dg, du, dd, dsg, dsu, dsd
 
 
 def release_peer_workspaces() -> None:

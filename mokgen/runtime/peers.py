@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from ..ir.graph import C as C_SYM
-from ..schedule.expert_parallel import REGIONS, STATE
+from ..schedule.expert_parallel import BACKWARD_REGIONS, REGIONS, STATE
 from .checks import InputError
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
@@ -24,11 +24,12 @@ def _shape(b: dict, capacity: int) -> tuple:
 
 class PeerWorkspace:
     """Buffers of one expert-parallel variant for one process group, sized for `capacity`
-    tokens per rank (what any rank may pass in one call)."""
+    tokens per rank (what any rank may pass in one call). The forward's are made at once;
+    the backward's regions (BACKWARD_REGIONS) by the first backward call, so inference never
+    holds them."""
 
     def __init__(self, plan: dict, group, capacity: int, device: torch.device):
         import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
 
         world = plan["spec"]["world_size"]
         if dist.get_world_size(group) != world:
@@ -38,21 +39,43 @@ class PeerWorkspace:
         self.rank = dist.get_rank(group)
         self.buffers: dict[str, torch.Tensor] = {}
         self._handles = []  # the symmetric allocations' handles, kept alive with the buffers
-        addresses = {}
-        for b in plan["buffers"]:
-            if b["memory"] == "symmetric":
-                t = symm_mem.empty(_shape(b, capacity), dtype=DTYPES[b["dtype"]], device=device)
-                t.zero_()  # flags start below every epoch; the barrier below orders it before peers' stores
-                handle = symm_mem.rendezvous(t, group.group_name)
-                addresses[b["name"]] = list(handle.buffer_ptrs)
-                self.buffers[b["name"]] = t
-                self._handles.append(handle)
-            elif b["memory"] == "persistent":
-                self.buffers[b["name"]] = torch.zeros(_shape(b, capacity), dtype=DTYPES[b["dtype"]], device=device)
-        self.buffers["ep_peers"].copy_(torch.tensor([addresses[r] for r in REGIONS], dtype=torch.int64))
+        self._plan = {b["name"]: b for b in plan["buffers"] if b["memory"] in ("symmetric", "persistent")}
+        # (the persistent ones first: ep_peers receives the symmetric regions' addresses)
+        self._make(sorted((n for n in self._plan if n not in BACKWARD_REGIONS),
+                          key=lambda n: self._plan[n]["memory"] == "symmetric"))
         self.buffers["ep_state"][STATE.index("rank")] = self.rank
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
+
+    def _make(self, names: list) -> None:
+        """Allocate these buffers (collective: every rank makes the same ones, in order) and
+        publish the symmetric ones' addresses in ep_peers."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        for name in names:
+            b = self._plan[name]
+            if b["memory"] == "symmetric":
+                t = symm_mem.empty(_shape(b, self.capacity), dtype=DTYPES[b["dtype"]], device=self.device)
+                t.zero_()  # flags start below every epoch; the barrier below orders it before peers' stores
+                handle = symm_mem.rendezvous(t, self.group.group_name)
+                self.buffers[name] = t
+                self._handles.append(handle)
+                self.buffers["ep_peers"][REGIONS.index(name)].copy_(
+                    torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64))
+            else:
+                self.buffers[name] = torch.zeros(_shape(b, self.capacity), dtype=DTYPES[b["dtype"]],
+                                                 device=self.device)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def prepare(self, variant, entry: str) -> None:
+        """Make the regions an entry point needs that do not exist yet (its first call, on
+        every rank at once, outside CUDA graph capture)."""
+        missing = [n for n in BACKWARD_REGIONS if n in self._plan and n not in self.buffers]
+        if missing and variant.entry_buffers(entry) & set(BACKWARD_REGIONS):
+            if torch.cuda.is_current_stream_capturing():
+                raise InputError(f"{variant.name}: the first expert-parallel backward call makes the peer "
+                                 "workspace's backward regions (collective); run it once before capturing a graph")
+            self._make(missing)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())

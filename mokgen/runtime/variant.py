@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..ir import MoESpec
+from ..ir.graph import C as C_SYM
 from ..ir.graph import T as T_SYM
 from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS
 from ..schedule.plan import BAD_IDS_CODE, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
@@ -85,11 +86,13 @@ class Variant:
         self._lib = open_library(lib)
         self.kernels = {k["name"]: k for k in self.plan["kernels"]}
         self.launchers = {name: Launcher(self._lib, k) for name, k in self.kernels.items()}
-        # Buffers allocated per call, from T; an expert-parallel variant's others live in its
-        # peer workspace (runtime/peers.py).
+        # Buffers allocated per call, from T (and, expert parallel, the peer workspace's
+        # capacity C); an expert-parallel variant's others live in its peer workspace
+        # (runtime/peers.py).
         self._buffer_fns = [
-            (b["name"], DTYPES[b["dtype"]], [sympy.lambdify(T_SYM, sympy.sympify(s, locals={"T": T_SYM}), "math")
-                                              for s in b["shape"]], b["init"])
+            (b["name"], DTYPES[b["dtype"]],
+             [sympy.lambdify((T_SYM, C_SYM), sympy.sympify(s, locals={"T": T_SYM, "C": C_SYM}), "math")
+              for s in b["shape"]], b["init"])
             for b in self.plan["buffers"] if b.get("memory", "call") == "call"
         ]
         self.expert_parallel = self.spec.world_size > 1
@@ -116,8 +119,9 @@ class Variant:
 
     # ---- buffers ----------------------------------------------------------------
     @functools.lru_cache(maxsize=64)
-    def buffer_shapes(self, tokens: int) -> tuple:
-        return tuple((name, dt, tuple(int(f(tokens)) for f in fns), init) for name, dt, fns, init in self._buffer_fns)
+    def buffer_shapes(self, tokens: int, capacity: int = 0) -> tuple:
+        return tuple((name, dt, tuple(int(f(tokens, capacity)) for f in fns), init)
+                     for name, dt, fns, init in self._buffer_fns)
 
     # Debug aid for the golden tests: fill every uninitialised workspace buffer with
     # NaN (floats) or -1 (ints) so that a read of anything not written shows up.
@@ -131,11 +135,11 @@ class Variant:
     # Buffers the caller binds itself in some entry points (what the training forward saved).
     CALLER_BOUND = {"backward": SAVED_FOR_BACKWARD}
 
-    def _workspace(self, tokens: int, device, entry: str) -> dict:
+    def _workspace(self, tokens: int, device, entry: str, capacity: int = 0) -> dict:
         ws = {}
         used = self.entry_buffers(entry).difference(self.CALLER_BOUND.get(entry, ()))
         zeroed = self.plan.get("zeroed", {}).get(entry, ())
-        for name, dt, shape, init in self.buffer_shapes(tokens):
+        for name, dt, shape, init in self.buffer_shapes(tokens, capacity):
             if name not in used:
                 continue
             if init == "zeros" or name in zeroed:
@@ -229,7 +233,9 @@ class Variant:
         self._check_status(wait=False)  # an error of an earlier, finished call surfaces here
         with torch.cuda.device(x.device):
             entry = self.forward_entry(tokens)
-            env = self._workspace(tokens, x.device, entry)
+            if peers is not None:
+                peers.prepare(self, entry)
+            env = self._workspace(tokens, x.device, entry, peers.capacity if peers is not None else 0)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up,
                        w_down=w_down, out=out)
             if ws_gate is not None:
@@ -244,7 +250,7 @@ class Variant:
 
     @property
     def has_backward(self) -> bool:
-        return "backward" in self.plan["steps"]
+        return "backward" in self.plan["steps"] or "backward_recompute" in self.plan["steps"]
 
     def forward_train(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
         """(out, *saved): the forward of autograd. saved (SAVED_FOR_BACKWARD) is what the
@@ -278,12 +284,13 @@ class Variant:
                     pos=(tokens, K), row_token=(rows,), tile_expert=(m_tiles,), counts=(E,))
 
     def backward(self, dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
-                 saved=None):
+                 saved=None, peers=None):
         """(dx, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down) for
         the output gradient dout (DESIGN.md section 1); the shared expert's are None without
         one. saved: forward_train's saved tensors (a sequence in SAVED_FOR_BACKWARD order);
         without them the backward dispatches again and recomputes the SwiGLU inputs. Pairs
-        whose id is out of range get d_topk_weights 0 and contribute nothing."""
+        whose id is out of range get d_topk_weights 0 and contribute nothing. peers: an
+        expert-parallel variant's PeerWorkspace (it has no saved tensors: it exchanges again)."""
         if not self.has_backward:
             raise NotImplementedError(f"{self.name}: the backward is not generated for this layer "
                                       f"({self.why_no_backward()})")
@@ -299,20 +306,31 @@ class Variant:
             dx, d_weights = torch.empty_like(x), torch.zeros_like(topk_weights, dtype=torch.float32)
             d_w = [torch.empty_like(w) for w in weights]
         grads = [dx, d_weights, *d_w] + [None] * (8 - 2 - len(d_w))
-        if tokens == 0:
+        if self.expert_parallel and (peers is None or saved is not None):
+            raise InputError(f"{self.name} is expert parallel: its backward takes the peer workspace, no saved tensors")
+        if tokens == 0 and not self.expert_parallel:  # (a rank without tokens still serves its peers)
             for d in d_w:
                 d.zero_()
             return tuple(grads)
         self._check_status(wait=False)
         entry = "backward" if saved is not None else "backward_recompute"
         with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device, entry)
+            if peers is not None:
+                peers.prepare(self, entry)  # the backward's regions, made by its first call
+            env = self._workspace(tokens, x.device, entry, peers.capacity if peers is not None else 0)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
                        ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down, dout=dout, dx=dx, d_topk_weights=d_weights)
             env.update(zip(("d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"), d_w))
             if saved is not None:
                 env.update(zip(SAVED_FOR_BACKWARD, saved))
-            self.run(entry, env, x.device)
+            if peers is not None:
+                env.update(peers.buffers)
+            skip = ()
+            if tokens == 0:  # an expert-parallel rank without tokens: its shared expert's gradients are zero
+                skip = self._token_grids | {n for n in self.plan["steps"][entry] if "shared" in n}
+                for d in d_w[3:]:
+                    d.zero_()
+            self.run(entry, env, x.device, skip=skip)
             self._record_status(env)
         return tuple(grads)
 

@@ -39,8 +39,11 @@ from .plan import Buffer, KernelArg, KernelPlan, PlanError, _expr
 from .target import Target
 
 # The symmetric regions (one symmetric allocation each); ep_peers[r, w] is region r's
-# address on rank w. Peers store into them; the owner reads them.
-REGIONS = ("ep_counts", "ep_flags", "ep_recv", "ep_ret", "ep_ready")
+# address on rank w. Peers store into them; the owner reads them. The backward's (ep_grad:
+# output-gradient rows, ep_recv_w / ep_ret_w: a float per row each way) are made by the
+# first backward call (0 in ep_peers until then).
+REGIONS = ("ep_counts", "ep_flags", "ep_recv", "ep_ret", "ep_ready", "ep_grad", "ep_recv_w", "ep_ret_w")
+BACKWARD_REGIONS = REGIONS[5:]
 # Rows of ep_flags: which message a flag announces.
 FLAG_KINDS = ("counts", "rows", "returns")
 # ep_state entries (per rank, on the device): the call's epoch, the send and return kernels'
@@ -125,6 +128,7 @@ def ep_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
         Buffer("ep_state", "i32", [str(len(STATE))], memory="persistent"),
         Buffer("recv_off", "i32", [str(El), str(W + 1)], memory="persistent"),
         Buffer("src_start", "i32", [str(W), str(El)], memory="persistent"),
+        Buffer("recv_counts", "i32", [str(El)], memory="persistent"),  # received rows per local expert
         # the rank's own rows in send order (dispatch with a one-row tile): token and expert
         Buffer("send_token", "i32", [_expr(T * K + E)]),
         Buffer("send_expert", "i32", [_expr(T * K + E)]),
@@ -133,61 +137,23 @@ def ep_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
     ]
 
 
+def ep_backward_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
+    """The backward's regions: the received rows' output gradients and routing weights, and the
+    d_topk_weights entries going back."""
+    rows = _expr(received_tiles(spec, row_tile) * row_tile)
+    return [Buffer("ep_grad", "bf16", [rows, str(spec.hidden)], memory="symmetric"),
+            Buffer("ep_recv_w", "f32", [rows], memory="symmetric"),
+            Buffer("ep_ret_w", "f32", [_expr(C * spec.topk)], memory="symmetric")]
+
+
 def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
                wait_timeout_ns: int, overrides: dict) -> tuple[list[KernelPlan], list[str], list[dict], int]:
-    """(kernels, decisions, queues, communication CTAs) of the exchange stages."""
+    """(kernels, decisions, queues, communication CTAs) of the forward's exchange stages."""
     W, E, El, K, H = spec.world_size, spec.experts, spec.local_experts, spec.topk, spec.hidden
     if W > MAX_WORLD:
         raise PlanError(f"world_size={W}: at most {MAX_WORLD} ranks are planned")
     ctas, why = comm_ctas(spec, target, overrides)
-    sent = KernelArg("sent", "sent", "i32", [E])
-    wait_threads = 32 * -(-W // 32)
-    params = dict(world=W, experts=E, local_experts=El, topk=K, hidden=H, tile_m=row_tile, threads=EP_THREADS,
-                  comm_ctas=ctas, return_ctas=target.sms, wait_threads=wait_threads, vec=8, status_slot=status_slot,
-                  wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, regions=list(REGIONS),
-                  flag_kinds=list(FLAG_KINDS), state=list(STATE))
-    peers = KernelArg("peers", "ep_peers", "i64", [len(REGIONS), W])
-    state = KernelArg("state", "ep_state", "i32", [len(STATE)])
-    flags = KernelArg("flags", "ep_flags", "i32", [len(FLAG_KINDS), W])
-    counters = KernelArg("tile_counters", "tile_counters", "i32", [n_counters])
-    recv_off = KernelArg("recv_off", "recv_off", "i32", [El, W + 1])
-    src_start = KernelArg("src_start", "src_start", "i32", [W, El])
-
-    def k(name, entry, args, grid, block, roles):
-        return KernelPlan(name, "send_peers" if entry in ("publish", "layout", "send", "wait_rows") else "return",
-                          "ep", "ep_exchange.py.j2", entry, params, args, grid=grid, block=block, warp_roles=roles)
-
-    kernels = [
-        k("ep_publish", "publish", [KernelArg("counts", "counts", "i32", [E]), peers, state], "(1,)", EP_THREADS,
-          ["all threads: store this rank's counts into every peer's ep_counts; then one thread per peer raises "
-           "the counts flag (release, system scope)"]),
-        k("ep_layout", "layout",
-          [KernelArg("ep_counts", "ep_counts", "i32", [2, W, E]), flags, state, counters,
-           KernelArg("send_shift", "send_shift", "i32", [E]), recv_off, src_start,
-           KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), KernelArg("row_token", "row_token", "i32", ["M"]),
-           sent, peers],
-          f"({E},)", EP_THREADS,
-          ["all warps: wait for every rank's counts, then for global expert e: where this rank's rows of e land "
-           "on e's owner; the owner's CTAs also write the receive layout (tile table, valid rows, segments)"]),
-        k("ep_send", "send",
-          [KernelArg("x", "x", "bf16", ["T", H]), KernelArg("send_token", "send_token", "i32", ["R"]),
-           KernelArg("send_expert", "send_expert", "i32", ["R"]), KernelArg("send_shift", "send_shift", "i32", [E]),
-           KernelArg("counts", "counts", "i32", [E]), sent, peers, state, counters],
-          f"({ctas},)", EP_THREADS,
-          ["every warp: blocks of 32 rows, 16 B per lane, stored into the owners' ep_recv; per block a fence "
-           "(system scope) and per-expert counts; the add that completes an expert raises its ready flag on the "
-           "owner; the last CTA raises each owner's rows flag"]),
-        k("ep_wait_rows", "wait_rows", [flags, state, counters], "(1,)", wait_threads,
-          ["one thread per rank: spin (acquire, system scope, bounded) until its rows flag holds this epoch"]),
-        k("ep_return", "return_rows",
-          [KernelArg("y", "y", "bf16", ["M", H]), KernelArg("row_token", "row_token", "i32", ["M"]),
-           KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), recv_off, src_start, peers, state, counters],
-          f"({params['return_ctas']},)", EP_THREADS,
-          ["every warp: one received row at a time, stored back into its source rank's ep_ret at its send "
-           "position; the last CTA raises each source's returns flag"]),
-        k("ep_wait_returns", "wait_returns", [flags, state, counters], "(1,)", wait_threads,
-          ["one thread per rank: spin (acquire, system scope, bounded) until its returns flag holds this epoch"]),
-    ]
+    kernels = exchange_kernels(spec, target, row_tile, n_counters, status_slot, wait_timeout_ns, ctas)
     rows = _expr(received_tiles(spec, row_tile) * row_tile)
     order = ("send order local-expert-major (every rank sends every owner's local expert 0 first, then 1, ...): "
              "each owner's GEMM walks its M tiles in that order")
@@ -214,3 +180,76 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
              order="epoch parity, source rank", flag=f"ep_flags[{FLAG_KINDS.index('counts')}, source]"),
     ]
     return kernels, decisions, queues, ctas
+
+
+def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
+                     wait_timeout_ns: int, ctas: int, backward: bool = False) -> list[KernelPlan]:
+    """The exchange kernels (templates/ep_exchange.py.j2), of the forward or of the backward.
+    The backward's (module ep_bwd: layout, send and return, named *_bwd) also move each row's
+    output gradient and routing weight to the expert's rank, zero the received padding rows,
+    and return each row's d_topk_weights entry; it takes publish and the waits from the
+    forward's module."""
+    W, E, El, K, H = spec.world_size, spec.experts, spec.local_experts, spec.topk, spec.hidden
+    sent = KernelArg("sent", "sent", "i32", [E])
+    wait_threads = 32 * -(-W // 32)
+    params = dict(world=W, experts=E, local_experts=El, topk=K, hidden=H, tile_m=row_tile, threads=EP_THREADS,
+                  comm_ctas=ctas, return_ctas=target.sms, wait_threads=wait_threads, vec=8, status_slot=status_slot,
+                  wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, regions=list(REGIONS),
+                  flag_kinds=list(FLAG_KINDS), state=list(STATE), bwd=backward,
+                  zero_padding=["ep_recv", "ep_grad"] if backward else [])
+    peers = KernelArg("peers", "ep_peers", "i64", [len(REGIONS), W])
+    state = KernelArg("state", "ep_state", "i32", [len(STATE)])
+    flags = KernelArg("flags", "ep_flags", "i32", [len(FLAG_KINDS), W])
+    counters = KernelArg("tile_counters", "tile_counters", "i32", [n_counters])
+    recv_off = KernelArg("recv_off", "recv_off", "i32", [El, W + 1])
+    src_start = KernelArg("src_start", "src_start", "i32", [W, El])
+    suffix = "_bwd" if backward else ""
+
+    def k(name, entry, args, grid, block, roles):
+        stage = "send_peers" if entry in ("publish", "layout", "send", "wait_rows") else "return"
+        return KernelPlan(name + suffix, stage, "ep_bwd" if backward else "ep", "ep_exchange.py.j2", entry, params,
+                          args, grid=grid, block=block, warp_roles=roles)
+
+    grad_args = [KernelArg("dout", "dout", "bf16", ["T", H]), KernelArg("pos", "pos", "i32", ["T", K]),
+                 KernelArg("weights", "topk_weights", "f32", ["T", K])] if backward else []
+    kernels = [
+        k("ep_layout", "layout",
+          [KernelArg("ep_counts", "ep_counts", "i32", [2, W, E]), flags, state, counters,
+           KernelArg("send_shift", "send_shift", "i32", [E]), recv_off, src_start,
+           KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), KernelArg("row_token", "row_token", "i32", ["M"]),
+           sent, peers, KernelArg("recv_counts", "recv_counts", "i32", [El])],
+          f"({E},)", EP_THREADS,
+          ["all warps: wait for every rank's counts, then for global expert e: where this rank's rows of e land "
+           "on e's owner; the owner's CTAs also write the receive layout (tile table, valid rows, segments)"
+           + ("; and zero the padding rows of ep_recv and ep_grad" if backward else "")]),
+        k("ep_send", "send",
+          [KernelArg("x", "x", "bf16", ["T", H])] + grad_args +
+          [KernelArg("send_token", "send_token", "i32", ["R"]),
+           KernelArg("send_expert", "send_expert", "i32", ["R"]), KernelArg("send_shift", "send_shift", "i32", [E]),
+           KernelArg("counts", "counts", "i32", [E]), sent, peers, state, counters],
+          f"({ctas},)", EP_THREADS,
+          ["every warp: blocks of 32 rows, 16 B per lane, stored into the owners' ep_recv"
+           + (" (and the dout rows into ep_grad, the weights into ep_recv_w)" if backward else "")
+           + "; per block a fence (system scope) and per-expert counts; the add that completes an expert raises "
+           "its ready flag on the owner; the last CTA raises each owner's rows flag"]),
+        k("ep_return", "return_rows",
+          [KernelArg("y", "dxs" if backward else "y", "bf16", ["M", H])]
+          + ([KernelArg("yw", "d_rows", "f32", ["M"])] if backward else [])
+          + [KernelArg("row_token", "row_token", "i32", ["M"]),
+             KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), recv_off, src_start, peers, state, counters],
+          f"({target.sms},)", EP_THREADS,
+          ["every warp: one received row at a time, stored back into its source rank's ep_ret at its send "
+           "position" + (" (its d_topk_weights entry into ep_ret_w)" if backward else "")
+           + "; the last CTA raises each source's returns flag"]),
+    ]
+    if not backward:
+        kernels[0:0] = [k("ep_publish", "publish", [KernelArg("counts", "counts", "i32", [E]), peers, state], "(1,)",
+                          EP_THREADS, ["all threads: store this rank's counts into every peer's ep_counts; then one "
+                                       "thread per peer raises the counts flag (release, system scope)"])]
+        kernels[-1:-1] = [k("ep_wait_rows", "wait_rows", [flags, state, counters], "(1,)", wait_threads,
+                            ["one thread per rank: spin (acquire, system scope, bounded) until its rows flag holds "
+                             "this epoch"])]
+        kernels.append(k("ep_wait_returns", "wait_returns", [flags, state, counters], "(1,)", wait_threads,
+                         ["one thread per rank: spin (acquire, system scope, bounded) until its returns flag holds "
+                          "this epoch"]))
+    return kernels

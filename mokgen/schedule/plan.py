@@ -524,7 +524,13 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
 
     if backward:
-        kernels += backward_kernels(gemm, spec, target, row_tile, buffers, steps, decisions, _expr(rows))
+        exchange = []
+        if ep:  # the backward's exchange: every SM sends, then the GEMMs (no overlap yet)
+            exchange = expert_parallel.exchange_kernels(
+                spec, target, row_tile, n_counters, status_slot,
+                int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000, target.sms, backward=True)
+            buffers += expert_parallel.ep_backward_buffers(spec, row_tile)
+        kernels += backward_kernels(gemm, spec, target, row_tile, buffers, steps, decisions, _expr(rows), exchange)
     profile = bool((overrides or {}).get("profile"))
     for k in kernels:  # every template reads the flag; only the forward's kernels record
         k.params = dict(k.params, profile=profile and k.name in forward)
@@ -765,39 +771,52 @@ def backward_decision(plan: dict) -> str:
 
 def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, str]:
     """(whether the Plan has the backward entry points, why)."""
-    if spec.world_size > 1:
-        return False, "backward: not generated for expert parallelism yet (forward only)"
     if overrides.get("profile"):
         return False, "backward: not in a profiling build (it times the forward)"
     if paths == "fused":
         return False, "backward: not with fuse_gemms: true (the training forward runs the per-GEMM path)"
+    if spec.world_size > 1:
+        return True, ("backward: generated (expert parallel); autograd saves the forward's inputs only: the backward "
+                      "exchanges again (each pair's x row, dout row and weight go to the expert's rank), recomputes "
+                      "the SwiGLU inputs there, and returns each pair's input gradient and d_topk_weights entry")
     return True, ("backward: generated; autograd saves the forward's inputs and the SwiGLU inputs (x @ w_gate^T, "
                   "x @ w_up^T in dispatch order), or, with recompute, the inputs only (dispatch runs again either "
                   "way, and the SwiGLU inputs are then recomputed by one gate/up GEMM)")
 
 
 def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers: list, steps: dict,
-                     decisions: list, rows: str) -> list:
+                     decisions: list, rows: str, exchange: list = ()) -> list:
     """The training forward's and the backward's kernels (backward_graph's stages) and their
     step lists: steps["forward_train"] (the per-GEMM forward whose gate/up GEMMs also store
     the SwiGLU inputs), steps["backward"] (reads them) and steps["backward_recompute"]
     (recomputes them). The backward dispatches again, then per expert kind (routed, shared):
     dgrad of down, SwiGLU backward, dgrad of gate/up; the reverse combine; the weight
-    gradients."""
+    gradients.
+
+    Expert parallel (exchange: the backward's exchange kernels): the routed kernels run on the
+    rows this rank receives, whose x and dout rows arrive contiguous (TMA, no gather) with
+    their weights; only steps["backward_recompute"] exists (nothing of the forward's receive
+    layout outlives the call: later layers reuse the workspace)."""
     E, H, I, S = spec.local_experts, spec.hidden, spec.intermediate, spec.shared_intermediate
+    ep = spec.world_size > 1
     buffers += [Buffer(n, "bf16", [rows, str(I)]) for n in ("ga", "gb", "g", "da", "db", "hw")]
-    buffers += [Buffer(n, "bf16", [rows, str(H)]) for n in ("xs", "dxs")]
-    train = gemm("gemm_gateup_train", "gemm_gateup", "x", ("w_gate", "w_up"), ("h", "ga", "gb"), I, H, "swiglu_save",
-                 "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue, storing the SwiGLU "
-                 "inputs too (the training forward).", gather_a=True)
+    buffers += [Buffer(n, "bf16", [rows, str(H)]) for n in (("dxs",) if ep else ("xs", "dxs"))]
+    if ep:
+        buffers.append(Buffer("d_rows", "f32", [rows]))  # each received row's d_topk_weights entry
+    # the routed kernels' x and dout rows: gathered from the tokens, or (expert parallel) received
+    x_rows, dout_rows, gather = ("ep_recv", "ep_grad", False) if ep else ("x", "dout", True)
+    train = None if ep else gemm(
+        "gemm_gateup_train", "gemm_gateup", "x", ("w_gate", "w_up"), ("h", "ga", "gb"), I, H, "swiglu_save",
+        "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue, storing the SwiGLU inputs "
+        "too (the training forward).", gather_a=True)
     ks = [
-        gemm("bwd_recompute", "recompute", "x", ("w_gate", "w_up"), ("ga", "gb"), I, H, "pair",
+        gemm("bwd_recompute", "recompute", x_rows, ("w_gate", "w_up"), ("ga", "gb"), I, H, "pair",
              "tile_expert", "M", "MT", E, "Backward: the SwiGLU inputs recomputed, both products stored.",
-             gather_a=True, clustered=False),
-        gemm("bwd_dgrad_down", "dgrad_down", "dout", ("w_down",), "g", I, H, "store", "tile_expert", "M", "MT", E,
-             "Backward: the down projection's input gradient (unweighted), dout rows gathered.",
-             gather_a=True, b_major="mn", clustered=False),
-        swiglu_backward("bwd_swiglu", spec, row_tile),
+             gather_a=gather, clustered=False),
+        gemm("bwd_dgrad_down", "dgrad_down", dout_rows, ("w_down",), "g", I, H, "store", "tile_expert", "M", "MT", E,
+             "Backward: the down projection's input gradient (unweighted), dout rows "
+             + ("received." if ep else "gathered."), gather_a=gather, b_major="mn", clustered=False),
+        swiglu_backward("bwd_swiglu", spec, row_tile, ep=ep),
         gemm("bwd_dgrad_gateup", "dgrad_gateup", ("da", "db"), ("w_gate", "w_up"), "dxs", H, 2 * I, "store",
              "tile_expert", "M", "MT", E, "Backward: the gate/up projections' input gradient.",
              b_major="mn", split_k=True, clustered=False),
@@ -807,11 +826,13 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
     # order (xs) by TMA. Measured on H200, E64 K8 H2048 I1024, T=16384: gathering their
     # 256-wide B tiles too (16 copies per thread and stage) made each 0.41 ms slower, more
     # than the copy costs (docs/perf.md).
-    wgrads = [("wgrad_down", "dout", "hw", "d_w_down", H, I, E, "M", "counts", "a"),
-              ("wgrad_gate", "da", "xs", "d_w_gate", I, H, E, "M", "counts", ""),
-              ("wgrad_up", "db", "xs", "d_w_up", I, H, E, "M", "counts", "")]
+    # Expert parallel: both read the received rows by TMA (their padding rows zeroed by layout).
+    counts = "recv_counts" if ep else "counts"
+    wgrads = [("wgrad_down", dout_rows, "hw", "d_w_down", H, I, E, "M", counts, "" if ep else "a"),
+              ("wgrad_gate", "da", x_rows if ep else "xs", "d_w_gate", I, H, E, "M", counts, ""),
+              ("wgrad_up", "db", x_rows if ep else "xs", "d_w_up", I, H, E, "M", counts, "")]
     if S:  # the shared expert: the same kernels with one group over all T tokens, nothing gathered
-        train_s = gemm("shared_gateup_train", "shared_gateup", "x", ("ws_gate", "ws_up"), ("hs", "sa", "sb"), S, H,
+        train_s = None if ep else gemm("shared_gateup_train", "shared_gateup", "x", ("ws_gate", "ws_up"), ("hs", "sa", "sb"), S, H,
                        "swiglu_save", "shared_tiles", "T", "ST", 1, "Shared expert gate/up projection storing the "
                        "SwiGLU inputs too (the training forward).", routed=False)
         buffers += [Buffer(n, "bf16", ["T", str(S)]) for n in ("sa", "sb", "gs", "das", "dbs", "hsb")]
@@ -833,7 +854,7 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
                    ("wgrad_shared_gate", "das", "x", "d_ws_gate", S, H, 1, "T", None, ""),
                    ("wgrad_shared_up", "dbs", "x", "d_ws_up", S, H, 1, "T", None, "")]
     ks.append(reverse_combine(spec, target))
-    for name, a, b, c, m, n, groups, m_sym, counts, gathered in wgrads:
+    for name, a, b, c, m, n, groups, m_sym, counts, gathered in wgrads:  # (counts: the tensor of rows per group)
         k = gemm(name, name, a, (b,), c, n, 64, "store", counts or "shared_tiles", m_sym, f"{groups}*ceil({m}/{WGRAD_TILE_M})",
                  groups, f"Backward: the weight gradient {c}, "
                  + ("one expert's rows contracted per tile." if counts else "all T token rows contracted per tile."),
@@ -841,6 +862,8 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
         if not counts:  # one group: its rows are A's rows (T), no counts to read
             k.params["all_rows"] = True
         ks.append(k)
+    if ep:
+        return ep_backward_steps(ks, exchange, steps, decisions, S)
     steps["backward_recompute"] = ["dispatch_count", "dispatch_scatter"] + [k.name for k in ks]
     # With the training forward's saved tensors (SAVED_FOR_BACKWARD) the backward neither
     # dispatches again nor recomputes; its tile counters start at zero (the runtime zeroes them).
@@ -862,24 +885,58 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
     return [train] + ([train_s] if S else []) + ks
 
 
-def swiglu_backward(name: str, spec: MoESpec, row_tile: int, shared: bool = False) -> KernelPlan:
+def ep_backward_steps(ks: list, exchange: list, steps: dict, decisions: list, S: int) -> list:
+    """steps["backward_recompute"] of an expert-parallel Plan: dispatch and publish the counts
+    again (a new epoch, the same layout), send each pair's x row, dout row and weight on every
+    SM, the shared expert's kernels while they travel, then the routed kernels on the received
+    rows, the return of each row's input gradient and d_topk_weights entry (before the weight
+    gradients, so the peers' combines need not wait for them), and the reverse combine."""
+    names = {k.name for k in ks}
+    shared = [n for n in (k.name for k in ks) if "shared" in n]
+    routed = ["bwd_recompute", "bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup"]
+    assert set(routed) <= names
+    steps["backward_recompute"] = (["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd",
+                                    "ep_send_bwd"] + shared + ["ep_wait_rows"] + routed
+                                   + ["ep_return_bwd", "wgrad_down", "wgrad_gate", "wgrad_up", "ep_wait_returns",
+                                      "bwd_combine"])
+    decisions.append(
+        "backward (expert parallel): dispatch and publish again (the same counts give the same receive layout); "
+        "ep_send_bwd stores each pair's x row into the expert's rank's ep_recv, its dout row into ep_grad and its "
+        "weight into ep_recv_w (every SM, then ep_wait_rows); there bwd_recompute (x rows by TMA) and "
+        "bwd_dgrad_down (dout rows by TMA), bwd_swiglu per received row (d_topk_weights entry into d_rows), "
+        "bwd_dgrad_gateup; ep_return_bwd stores each row's input gradient into the source's ep_ret and its "
+        "d_rows entry into ep_ret_w; wgrad_* contract the received rows (padding rows zeroed by ep_layout_bwd); "
+        "bwd_combine sums dx over k in order" + (" plus the shared expert's" if S else "") + " and gathers "
+        "d_topk_weights: every gradient bitwise deterministic")
+    return exchange + ks
+
+
+def swiglu_backward(name: str, spec: MoESpec, row_tile: int, shared: bool = False, ep: bool = False) -> KernelPlan:
     """The SwiGLU backward (templates/swiglu_backward.py.j2) of the routed experts (rows in
     dispatch order: weights, d_topk_weights, padding rows) or of the shared expert (rows = tokens)."""
     K, H, width = spec.topk, spec.hidden, spec.shared_intermediate if shared else spec.intermediate
     threads = SWIGLU_BWD_WARPS * 32
     R, names = ("T", ("gs", "sa", "sb", "das", "dbs", "hsb")) if shared else ("M", ("g", "ga", "gb", "da", "db", "hw"))
-    args = [] if shared else [KernelArg("row_token", "row_token", "i32", ["M"]),
+    if ep:  # received rows: the weight arrived with the row, d_topk_weights goes back with it
+        args = [KernelArg("row_token", "row_token", "i32", ["M"]), KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                KernelArg("weights", "ep_recv_w", "f32", ["M"])]
+    elif shared:
+        args = []
+    else:
+        args = [KernelArg("row_token", "row_token", "i32", ["M"]),
                               KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
                               KernelArg("pos", "pos", "i32", ["T", K]),
                               KernelArg("weights", "topk_weights", "f32", ["T", K])]
     args += [KernelArg(a, t, "bf16", [R, width]) for a, t in zip(("g", "ga", "gb"), names[:3])]
     args += [KernelArg(a, t, "bf16", [R, width]) for a, t in zip(("da", "db", "hw"), names[3:])]
-    if not shared:
+    if ep:
+        args.append(KernelArg("d_weights", "d_rows", "f32", ["M"]))
+    elif not shared:
         args += [KernelArg("d_weights", "d_topk_weights", "f32", ["T", K]), KernelArg("x", "x", "bf16", ["T", H]),
                  KernelArg("xs", "xs", "bf16", ["M", H])]
     return KernelPlan(name, "swiglu_backward", name, "swiglu_backward.py.j2", "main",
                       dict(topk=K, hidden=H, intermediate=width, threads=threads, vec=VEC, tile_m=row_tile,
-                           shared=shared),
+                           shared=shared, ep=ep),
                       args, grid=f"(ceil({R}/{SWIGLU_BWD_WARPS}),)", block=threads,
                       warp_roles=["every warp: one row at a time" + ("" if shared else
                                                                       "; padding rows get zeros")])
@@ -888,13 +945,16 @@ def swiglu_backward(name: str, spec: MoESpec, row_tile: int, shared: bool = Fals
 def reverse_combine(spec: MoESpec, target: Target) -> KernelPlan:
     """dx[t] = sum over k in order of the input gradients of t's rows (+ the shared expert's)."""
     K, H, S = spec.topk, spec.hidden, spec.shared_intermediate
+    ep = spec.world_size > 1  # the rows came back into ep_ret, with their d_topk_weights in ep_ret_w
     threads = simt_threads(H, target)
     args = [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("pos", "pos", "i32", ["T", K]),
-            KernelArg("y", "dxs", "bf16", ["M", H])]
+            KernelArg("y", "ep_ret" if ep else "dxs", "bf16", ["M", H])]
     if S:
         args.append(KernelArg("ys", "dx_shared", "bf16", ["T", H]))
     args.append(KernelArg("out", "dx", "bf16", ["T", H]))
+    if ep:
+        args += [KernelArg("yw", "ep_ret_w", "f32", ["M"]), KernelArg("d_weights", "d_topk_weights", "f32", ["T", K])]
     return KernelPlan("bwd_combine", "reduce", "bwd_combine", "combine.py.j2", "main",
-                      dict(experts=spec.local_experts, topk=K, hidden=H, threads=threads, vec=VEC, shared=bool(S),
-                           weighted=False),
+                      dict(experts=spec.experts if ep else spec.local_experts, topk=K, hidden=H, threads=threads,
+                           vec=VEC, shared=bool(S), weighted=False, dweights=ep),
                       args, grid="(T,)", block=threads, warp_roles=["all warps: one token row, fixed k order"])
