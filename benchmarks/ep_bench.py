@@ -131,7 +131,7 @@ BACKWARD_KERNELS = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layo
                     "wgrad_gate", "wgrad_up", "ep_wait_returns", "bwd_combine"]
 
 
-def bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, single, group, rank, g):
+def bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, group, rank, g, variants=()):
     """Forward + backward through autograd: mokgen's layer against torch EP with autograd, and
     the single-GPU mokgen layer on the same local work; parameter gradients reset each call."""
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_(True)
@@ -155,6 +155,25 @@ def bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, single, group, rank, g)
             for _ in range(2)] + [(torch.randn(E, H, I, device="cuda", generator=g) / math.sqrt(I)).bfloat16()
                                   .requires_grad_(True)]
     ms_single = timed(lambda: step(lambda: mokgen.moe(x, ids, w, *ones, check_ids=False), [x, w, *ones]))
+    for path in variants:  # other builds of the layer: forward + backward through the variant itself
+        other = mokgen.load(path)
+        peers = workspace(other, group, T, max(tokens))
+        xd, wdt = x.detach(), w.detach()
+
+        def both():
+            other.forward(xd, ids, wdt, *wp, peers=peers)
+            return other.backward(dout, xd, ids, wdt, *wp, peers=peers)
+
+        wp = [p.detach() for p in params]
+        t_other = timed(both)
+        got, want = both(), v.backward(dout, xd, ids, wdt, *wp, peers=workspace(v, group, T, max(tokens)))
+        same = all(torch.equal(a_, b_) for a_, b_ in zip(got, want) if a_ is not None)
+        kt_o = kernel_times(other, both, ["ep_send_bwd", "bwd_recompute", "ep_return_bwd", "wgrad_down", "wgrad_up",
+                                          "ep_wait_returns"])
+        if rank == 0:
+            print(f"   {path}: forward+backward {t_other:.3f} ms ({ms_torch / t_other:.2f}x torch EP); gradients the "
+                  f"same bits as the default build: {same}; decisions: {other.plan['overrides']}; kernels (ms): "
+                  + ", ".join(f"{k} {t:.3f}" for k, t in kt_o.items()), flush=True)
     fl = 3 * 6.0 * T * K * H * I
     row = dict(shape=f"E{E} K{K} H{H} I{I}", world=dist.get_world_size(group), tokens_per_rank=T,
                mode="forward+backward", mokgen_ms=ms, torch_ep_ms=ms_torch, ratio=ms_torch / ms,
@@ -197,7 +216,8 @@ def main():
     single = find_variant(E, K, H, I, 0)
     rows = []
     for T in tokens if a.backward else ():
-        rows.append(bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, single, group, rank, g))
+        rows.append(bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, group, rank, g,
+                                   [p for p in a.variants.split(",") if p]))
     for T in tokens if a.forward == "yes" else ():
         x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
         w, ids = torch.topk(torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1), K, -1)
@@ -219,9 +239,12 @@ def main():
                 peers = workspace(other, group, T, max(tokens))
                 t_other = timed(lambda: other.forward(x, ids, w, wg, wu, wd, peers=peers))
                 diff = (other.forward(x, ids, w, wg, wu, wd, peers=peers).float() - run().float()).abs().max().item()
+                kt_o = kernel_times(other, lambda: other.forward(x, ids, w, wg, wu, wd, peers=peers),
+                                    ["ep_send", "gemm_gateup", "ep_return"])
                 if rank == 0:
                     print(f"   {path}: {t_other:.3f} ms ({ms_torch / t_other:.2f}x torch EP), max |diff| vs the "
-                          f"default build {diff:.1e}; decisions: {other.plan['overrides']}", flush=True)
+                          f"default build {diff:.1e}; decisions: {other.plan['overrides']}; kernels (ms): "
+                          + ", ".join(f"{k} {t:.3f}" for k, t in kt_o.items()), flush=True)
             err = (run().float() - torch_ep(x, ids, w, w13, wd, E, group).float()).norm().item() / \
                 torch_ep(x, ids, w, w13, wd, E, group).float().norm().item()
             kt = kernel_times(v, run, ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send",

@@ -86,7 +86,8 @@ def main():
 @click.option("--profile", is_flag=True,
               help="Profiling build (under <out>/profile): every task records its SM and times for `mokgen profile`.")
 @click.option("--comm-sms", type=int, default=None,
-              help="Expert parallel: CTAs (one per SM) of the send and return kernels (default: the cost model's).")
+              help="Expert parallel: SMs of the forward's send beside the gate/up GEMM (default: the cost model's; "
+                   "Plan overrides bwd_send_sms and bwd_return_sms set the backward's).")
 def build(spec, out, jobs, force, no_compile, manifest, profile, comm_sms):
     """Plan, render and compile one MoE layer. With no flags: the OLMoE-1B-7B layer."""
     from .codegen import BuildError, build as do_build

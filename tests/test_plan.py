@@ -69,7 +69,7 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
     assert fwd[:5] == ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send"]
     # the send runs beside gate/up, whose producer waits for each expert's rows
     assert fwd[-5:] == ["gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns", "combine"]
-    assert p.side_stream == ["ep_send"] and p.kernel("gemm_gateup").params["ep_ready"]
+    assert p.side_stream[0] == "ep_send" and p.kernel("gemm_gateup").params["ep_ready"]
     assert p.kernel("gemm_gateup").params["sms"] + p.kernel("ep_send").params["comm_ctas"] == 132
     serial = make_plan(EP2, overrides={"ep_overlap": False})
     assert "ep_wait_rows" in serial.steps["forward"] and not serial.side_stream
@@ -84,7 +84,8 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
     assert p.kernel("dispatch_count").params["experts"] == 64 and p.kernel("dispatch_count").params["tile_m"] == 1
     assert p.kernel("gemm_gateup").params["groups"] == 32 and not p.kernel("gemm_gateup").params["gather_a"]
     assert p.kernel("combine").params["experts"] == 64
-    assert p.sm_roles == {"compute": 116, "communication": 16} and len(p.queues) == 3
+    n = p.kernel("ep_send").params["comm_ctas"]
+    assert p.sm_roles == {"compute": 132 - n, "communication": n} and len(p.queues) == 3
     assert p.kernel("dispatch_scatter").params["order_world"] == 2
     assert any("expert parallel over 2 GPUs" in d for d in p.decisions)
     assert json.loads(Plan.from_dict(json.loads(p.to_json())).to_json()) == json.loads(p.to_json())
@@ -95,13 +96,30 @@ def test_expert_parallel_backward_exchanges_again_and_runs_on_the_received_rows(
     bwd = p.steps["backward_recompute"]
     assert bwd[:5] == ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd", "ep_send_bwd"]
     assert bwd[-2:] == ["ep_wait_returns", "bwd_combine"]
-    # the rows are received before any routed GEMM reads them; returned before the weight gradients
-    assert bwd.index("ep_wait_rows") < bwd.index("bwd_recompute") < bwd.index("ep_return_bwd") < bwd.index("wgrad_down")
+    # the send runs beside the recompute GEMM, which waits per M tile for its rows; the return
+    # beside the weight gradients, each on the SMs the cost model gives it
+    assert "ep_wait_rows" not in bwd and bwd.index("bwd_recompute") < bwd.index("ep_return_bwd") < bwd.index("wgrad_down")
+    assert {"ep_send_bwd", "ep_return_bwd"} <= set(p.side_stream)
+    send, ret = p.kernel("ep_send_bwd").params["comm_ctas"], p.kernel("ep_return_bwd").params["return_ctas"]
+    assert p.kernel("bwd_recompute").params["ep_ready"] and p.kernel("bwd_recompute").params["sms"] == 132 - send
+    assert all(p.kernel(w).params["sms"] == 132 - ret for w in ("wgrad_down", "wgrad_gate", "wgrad_up"))
+    assert any(d.startswith(f"backward send: {send} SMs") and "cost model" in d for d in p.decisions)
+    # ep_overlap: false runs each copy alone on every SM, the GEMMs after ep_wait_rows
+    serial = make_plan(EP2, overrides={"ep_overlap": False})
+    sb = serial.steps["backward_recompute"]
+    assert sb.index("ep_send_bwd") < sb.index("ep_wait_rows") < sb.index("bwd_recompute") and not serial.side_stream
+    assert serial.kernel("ep_send_bwd").params["comm_ctas"] == 132 and not serial.kernel("bwd_recompute").params.get("ep_ready")
+    assert make_plan(EP2, overrides={"bwd_send_sms": 40}).kernel("ep_send_bwd").params["comm_ctas"] == 40
+    # more rows in flight per SM for the backward's copies (measured); comm_threads sets both
+    assert p.kernel("ep_send_bwd").block == 512 and p.kernel("ep_send").block == 256
+    assert make_plan(EP2, overrides={"comm_threads": 1024}).kernel("ep_return_bwd").block == 1024
+    with pytest.raises(PlanError, match="comm_threads"):
+        make_plan(EP2, overrides={"comm_threads": 300})
     # nothing of the forward's layout is used: the forward entries never touch the backward's regions
     forward_tensors = {a.tensor for n in p.steps["forward"] for a in p.kernel(n).args}
     assert not forward_tensors & {"ep_grad", "ep_recv_w", "ep_ret_w", "d_rows", "ga"}
     send = p.kernel("ep_send_bwd")
-    assert send.module == "ep_bwd" and send.params["bwd"] and send.params["comm_ctas"] == 132
+    assert send.module == "ep_bwd" and send.params["bwd"]
     assert [a.tensor for a in send.args[:4]] == ["x", "dout", "pos", "topk_weights"]
     assert p.kernel("ep_layout_bwd").params["zero_padding"] == ["ep_recv", "ep_grad"]
     assert [a.tensor for a in p.kernel("ep_return_bwd").args[:2]] == ["dxs", "d_rows"]
@@ -116,6 +134,23 @@ def test_expert_parallel_backward_exchanges_again_and_runs_on_the_received_rows(
     combine = p.kernel("bwd_combine")
     assert combine.params["dweights"] and combine.params["experts"] == 64
     assert [a.tensor for a in combine.args][-2:] == ["ep_ret_w", "d_topk_weights"]
+
+
+def test_communication_sms_come_from_the_cost_model():
+    """The copy beside a GEMM gets the SMs where the two finish together: fewer and the copy
+    is late, more and the GEMM slows; the choice does not depend on T (both scale with it)."""
+    from mokgen.schedule.expert_parallel import overlap_split
+
+    t = H200
+    n, why = overlap_split(134e6, 550e9, 0.0, t)
+    copy = lambda k: 134e6 / (min(k * t.peer_store_gbs_per_sm, t.peer_store_gbs) * 1e9)
+    gemm = lambda k: 550e9 / (t.grouped_gemm_tflops * 1e12) * t.sms / (t.sms - k)
+    assert copy(n) <= gemm(n) and copy(n - 1) > gemm(n - 1) and "cost model" in why
+    assert overlap_split(2 * 134e6, 2 * 550e9, 0.0, t)[0] == n
+    # more bytes per FLOP need more SMs; the forward's send for the bench layer is in the
+    # measured sweet spot (8 SMs: 2.58 ms, 16: 2.13, 32: 2.35 at 8192 tokens per rank)
+    assert overlap_split(2 * 134e6, 550e9, 0.0, t)[0] > n
+    assert 10 <= make_plan(EP2).kernel("ep_send").params["comm_ctas"] <= 20
 
 
 def test_expert_parallel_plans_for_an_nvl72_domain_and_takes_comm_sms():

@@ -53,15 +53,32 @@ STATE = ("epoch", "sent", "returned", "rank")
 EP_ERROR = 1 << 20
 # Threads of the exchange kernels' CTAs, and the most ranks one wait kernel watches.
 EP_THREADS = 256
+# The backward's exchange kernels: 512 threads. Measured on 2 H200s (E64 K8 H2048 I1024, 8192
+# tokens per rank, forward + backward, each build in one run, docs/perf.md): 256 / 512 / 1024
+# threads 6.71 / 6.48 / 6.55 ms; the send beside the recompute GEMM moved 222 / 279 / 296 GB/s
+# on 24 SMs, the return beside the weight gradients 76 / 94 / 131 GB/s on 9, while 1024 slowed
+# the GEMMs beside them most. The forward's send: 2.00 / 2.03 / 2.07 ms, so it keeps 256.
+EP_BWD_THREADS = 512
 MAX_WORLD = 1024
 # Plan overrides this module reads; a fused launch, clusters and profiling builds are not
 # generated for several GPUs yet.
 UNSUPPORTED = ("fuse_gemms", "cluster_m", "profile", "dispatch_chunked")
-# Send overlapped with the gate/up GEMM (Plan override ep_overlap: false runs them one after
-# the other on all SMs): the send kernel takes this many SMs, the GEMM the rest. Measured on
-# 2 H200s (E64 K8 H2048 I1024, each build timed in one run, docs/perf.md): at 8192 tokens per
-# rank 8 / 16 / 32 / 48 SMs and the serial path took 2.58 / 2.13 / 2.35 / 2.52 / 2.44-2.47 ms.
-OVERLAP_COMM_CTAS = 16
+# Copies that run beside a GEMM (the forward's send beside gate/up; the backward's send
+# beside the recompute GEMM and its return beside the weight gradients) take a few SMs, the
+# GEMM the rest: how many, the cost model below decides (Plan overrides comm_sms,
+# bwd_send_sms, bwd_return_sms set them). Measured before the model, on 2 H200s (E64 K8 H2048
+# I1024, 8192 tokens per rank, each build timed in one run, docs/perf.md): the forward with 8 /
+# 16 / 32 / 48 send SMs and the serial path took 2.58 / 2.13 / 2.35 / 2.52 / 2.44 ms.
+MIN_GEMM_SMS = 8
+
+
+def comm_threads(overrides: dict, backward: bool = False) -> int:
+    """Threads of the exchange kernels' CTAs (a warp copies one row at a time: more warps per
+    SM, more rows in flight). Plan override comm_threads (both directions)."""
+    n = overrides.get("comm_threads", EP_BWD_THREADS if backward else EP_THREADS)
+    if n not in (128, 256, 512, 1024):
+        raise PlanError(f"comm_threads={n} must be 128, 256, 512 or 1024")
+    return n
 
 
 def check_ep_overrides(overrides: dict) -> None:
@@ -80,37 +97,85 @@ def overlapped(overrides: dict) -> bool:
     return overrides.get("ep_overlap", True)
 
 
+def overlap_split(copy_bytes: float, gemm_flops: float, tail: float, target: Target) -> tuple[int, str]:
+    """(SMs for a copy of copy_bytes that runs beside a GEMM of gemm_flops, why). The cost
+    model: n SMs store at min(n * the per-SM peer store rate, the link's ceiling); the GEMM
+    runs at its measured rate on the other SMs; the pair ends when the GEMM ends, or when the
+    copy ends plus the GEMM's share that waits on the last rows (tail). Both grow with T
+    alike, so the choice does not depend on T; the smallest n with the least time wins."""
+    gemm_s = gemm_flops / (target.grouped_gemm_tflops * 1e12)
+
+    def times(n):
+        copy_s = copy_bytes / (min(n * target.peer_store_gbs_per_sm, target.peer_store_gbs) * 1e9)
+        gemm_n = gemm_s * target.sms / (target.sms - n)
+        return max(gemm_n, copy_s + tail * gemm_n), copy_s, gemm_n
+
+    n = min(range(1, target.sms - MIN_GEMM_SMS + 1), key=lambda n: (round(times(n)[0] * 1e12), n))
+    total, copy_s, gemm_n = times(n)
+    return n, (f"cost model: {n} SMs store at {min(n * target.peer_store_gbs_per_sm, target.peer_store_gbs):.0f} GB/s "
+               f"(measured {target.peer_store_gbs_per_sm} GB/s per SM, {target.peer_store_gbs:.0f} at most), the "
+               f"GEMM at {target.grouped_gemm_tflops:.0f} TFLOP/s on {target.sms - n}: per 1000 tokens the copy takes "
+               f"{copy_s * 1e6:.1f} us, the GEMM {gemm_n * 1e6:.1f} us, together {total * 1e6:.1f} us")
+
+
+def _per_token(spec: MoESpec, rows_per_pair: int) -> float:
+    """Bytes one token's pairs send to other ranks (uniform routing: (W-1)/W of them)."""
+    W = spec.world_size
+    return spec.topk * (W - 1) / W * rows_per_pair * spec.hidden * 2
+
+
+def _sms_override(overrides: dict, key: str, target: Target) -> int | None:
+    if key not in overrides:
+        return None
+    n = overrides[key]
+    if not 1 <= n <= target.sms - MIN_GEMM_SMS:
+        raise PlanError(f"{key}={n} must be in [1, {target.sms - MIN_GEMM_SMS}] (the GEMM beside it keeps at least "
+                        f"{MIN_GEMM_SMS} SMs)")
+    return n
+
+
 def comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> tuple[int, str]:
-    """CTAs (one per SM) of the send and return kernels. Overlapped, the send runs beside the
-    gate/up GEMM on SMs the GEMM leaves free; else both run alone on every SM. `comm_sms`
-    overrides."""
-    if "comm_sms" in overrides:
-        n = overrides["comm_sms"]
-        if not 1 <= n <= target.sms - (8 if overlapped(overrides) else 0):
-            raise PlanError(f"comm_sms={n} must be in [1, {target.sms}] (and leave 8 SMs to the GEMM when the "
-                            "send overlaps it)")
+    """CTAs (one per SM) of the forward's send. Overlapped, the send runs beside the gate/up
+    GEMM on SMs the GEMM leaves free; else it runs alone on every SM. `comm_sms` overrides."""
+    n = _sms_override(overrides, "comm_sms", target)
+    if n is not None:
         return n, "set by override comm_sms"
-    row_bytes = spec.hidden * 2
-    if overlapped(overrides):
-        return OVERLAP_COMM_CTAS, (f"the send shares the GPU with the gate/up GEMM: {OVERLAP_COMM_CTAS} SMs send "
-                                   f"(rows of {row_bytes} B, {EP_THREADS // 32} warps each), the GEMM keeps "
-                                   f"{target.sms - OVERLAP_COMM_CTAS}")
-    return target.sms, (f"send/return as separate launches: all {target.sms} SMs, {EP_THREADS // 32} rows of "
-                        f"{row_bytes} B in flight per SM; the peer link moves {target.nvlink_peer_gbs:.0f} GB/s per "
-                        "peer")
+    if not overlapped(overrides):
+        return target.sms, (f"send/return as separate launches: all {target.sms} SMs, {EP_THREADS // 32} rows of "
+                            f"{spec.hidden * 2} B in flight per SM")
+    K, H, I = spec.topk, spec.hidden, spec.intermediate
+    return overlap_split(1000 * _per_token(spec, 1), 1000 * 2 * K * H * 2 * I, 1 / spec.local_experts, target)
 
 
-def overlap_gemm(gateup: KernelPlan, spec: MoESpec, target: Target, overrides: dict) -> None:
-    """Make the gate/up GEMM wait per M tile for its rows (ep_ready) and leave the send's SMs
-    free: its persistent grid takes the others."""
-    ctas, _ = comm_ctas(spec, target, overrides)
+def backward_comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> dict:
+    """{"send": (n, why), "return": (n, why)}: the backward's send (x and dout rows) beside the
+    recompute GEMM, its return (input-gradient rows) beside the three weight-gradient GEMMs."""
+    K, H, I = spec.topk, spec.hidden, spec.intermediate
+    out = {}
+    for key, rows, flops, tail in (("send", 2, 2 * K * H * 2 * I, 1 / spec.local_experts),
+                                   ("return", 1, 3 * 2 * K * H * I, 0.0)):
+        n = _sms_override(overrides, f"bwd_{key}_sms", target)
+        out[key] = (n, f"set by override bwd_{key}_sms") if n is not None else \
+            overlap_split(1000 * _per_token(spec, rows), 1000 * flops, tail, target)
+    return out
+
+
+def overlap_gemm(gemm: KernelPlan, spec: MoESpec, target: Target, ctas: int) -> None:
+    """Make a GEMM over the received rows wait per M tile for its rows (ep_ready) and leave the
+    send's ctas SMs free."""
+    gemm.params = dict(gemm.params, ep_ready=True, ep_world=spec.world_size,
+                       ep_rows_error=EP_ERROR + FLAG_KINDS.index("rows") * 4096)
+    at = next(i for i, a in enumerate(gemm.args) if a.name == "tile_counter") + 1
+    gemm.args[at:at] = [KernelArg("ready", "ep_ready", "i32", [spec.local_experts, spec.world_size]),
+                        KernelArg("state", "ep_state", "i32", [len(STATE)])]
+    leave_sms(gemm, target, ctas)
+
+
+def leave_sms(gemm: KernelPlan, target: Target, ctas: int) -> None:
+    """A persistent GEMM's grid on all SMs but ctas (a copy runs on those beside it)."""
     sms = target.sms - ctas
-    gateup.params = dict(gateup.params, ep_ready=True, ep_world=spec.world_size, sms=sms,
-                         ep_rows_error=EP_ERROR + FLAG_KINDS.index("rows") * 4096)
-    at = next(i for i, a in enumerate(gateup.args) if a.name == "tile_counter") + 1
-    gateup.args[at:at] = [KernelArg("ready", "ep_ready", "i32", [spec.local_experts, spec.world_size]),
-                          KernelArg("state", "ep_state", "i32", [len(STATE)])]
-    gateup.grid = gateup.grid.replace(f"min({target.sms},", f"min({sms},")
+    gemm.params = dict(gemm.params, sms=sms)
+    gemm.grid = gemm.grid.replace(f"min({target.sms},", f"min({sms},")
 
 
 def ep_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
@@ -153,7 +218,8 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
     if W > MAX_WORLD:
         raise PlanError(f"world_size={W}: at most {MAX_WORLD} ranks are planned")
     ctas, why = comm_ctas(spec, target, overrides)
-    kernels = exchange_kernels(spec, target, row_tile, n_counters, status_slot, wait_timeout_ns, ctas)
+    kernels = exchange_kernels(spec, target, row_tile, n_counters, status_slot, wait_timeout_ns, ctas,
+                               threads=comm_threads(overrides))
     rows = _expr(received_tiles(spec, row_tile) * row_tile)
     order = ("send order local-expert-major (every rank sends every owner's local expert 0 first, then 1, ...): "
              "each owner's GEMM walks its M tiles in that order")
@@ -183,7 +249,8 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
 
 
 def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
-                     wait_timeout_ns: int, ctas: int, backward: bool = False) -> list[KernelPlan]:
+                     wait_timeout_ns: int, ctas: int, backward: bool = False,
+                     return_ctas: int | None = None, threads: int = EP_THREADS) -> list[KernelPlan]:
     """The exchange kernels (templates/ep_exchange.py.j2), of the forward or of the backward.
     The backward's (module ep_bwd: layout, send and return, named *_bwd) also move each row's
     output gradient and routing weight to the expert's rank, zero the received padding rows,
@@ -192,8 +259,8 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
     W, E, El, K, H = spec.world_size, spec.experts, spec.local_experts, spec.topk, spec.hidden
     sent = KernelArg("sent", "sent", "i32", [E])
     wait_threads = 32 * -(-W // 32)
-    params = dict(world=W, experts=E, local_experts=El, topk=K, hidden=H, tile_m=row_tile, threads=EP_THREADS,
-                  comm_ctas=ctas, return_ctas=target.sms, wait_threads=wait_threads, vec=8, status_slot=status_slot,
+    params = dict(world=W, experts=E, local_experts=El, topk=K, hidden=H, tile_m=row_tile, threads=threads,
+                  comm_ctas=ctas, return_ctas=return_ctas or target.sms, wait_threads=wait_threads, vec=8, status_slot=status_slot,
                   wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, regions=list(REGIONS),
                   flag_kinds=list(FLAG_KINDS), state=list(STATE), bwd=backward,
                   zero_padding=["ep_recv", "ep_grad"] if backward else [])
@@ -218,7 +285,7 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
            KernelArg("send_shift", "send_shift", "i32", [E]), recv_off, src_start,
            KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), KernelArg("row_token", "row_token", "i32", ["M"]),
            sent, peers, KernelArg("recv_counts", "recv_counts", "i32", [El])],
-          f"({E},)", EP_THREADS,
+          f"({E},)", threads,
           ["all warps: wait for every rank's counts, then for global expert e: where this rank's rows of e land "
            "on e's owner; the owner's CTAs also write the receive layout (tile table, valid rows, segments)"
            + ("; and zero the padding rows of ep_recv and ep_grad" if backward else "")]),
@@ -227,7 +294,7 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
           [KernelArg("send_token", "send_token", "i32", ["R"]),
            KernelArg("send_expert", "send_expert", "i32", ["R"]), KernelArg("send_shift", "send_shift", "i32", [E]),
            KernelArg("counts", "counts", "i32", [E]), sent, peers, state, counters],
-          f"({ctas},)", EP_THREADS,
+          f"({ctas},)", threads,
           ["every warp: blocks of 32 rows, 16 B per lane, stored into the owners' ep_recv"
            + (" (and the dout rows into ep_grad, the weights into ep_recv_w)" if backward else "")
            + "; per block a fence (system scope) and per-expert counts; the add that completes an expert raises "
@@ -237,14 +304,14 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
           + ([KernelArg("yw", "d_rows", "f32", ["M"])] if backward else [])
           + [KernelArg("row_token", "row_token", "i32", ["M"]),
              KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), recv_off, src_start, peers, state, counters],
-          f"({target.sms},)", EP_THREADS,
+          f"({return_ctas or target.sms},)", threads,
           ["every warp: one received row at a time, stored back into its source rank's ep_ret at its send "
            "position" + (" (its d_topk_weights entry into ep_ret_w)" if backward else "")
            + "; the last CTA raises each source's returns flag"]),
     ]
     if not backward:
         kernels[0:0] = [k("ep_publish", "publish", [KernelArg("counts", "counts", "i32", [E]), peers, state], "(1,)",
-                          EP_THREADS, ["all threads: store this rank's counts into every peer's ep_counts; then one "
+                          threads, ["all threads: store this rank's counts into every peer's ep_counts; then one "
                                        "thread per peer raises the counts flag (release, system scope)"])]
         kernels[-1:-1] = [k("ep_wait_rows", "wait_rows", [flags, state, counters], "(1,)", wait_threads,
                             ["one thread per rank: spin (acquire, system scope, bounded) until its rows flag holds "

@@ -438,7 +438,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         gateup = gemm("gemm_gateup", "gemm_gateup", "ep_recv", ("w_gate", "w_up"), "h", I, H, "swiglu",
                       "tile_expert", "M", "MT", E, "Routed gate/up projection (received rows) with the SwiGLU epilogue.")
         if expert_parallel.overlapped(overrides or {}):
-            expert_parallel.overlap_gemm(gateup, spec, target, overrides or {})
+            expert_parallel.overlap_gemm(gateup, spec, target, expert_parallel.comm_ctas(spec, target, overrides or {})[0])
     else:
         gateup = gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
                       "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue.", gather_a=True)
@@ -524,13 +524,20 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
 
     if backward:
-        exchange = []
-        if ep:  # the backward's exchange: every SM sends, then the GEMMs (no overlap yet)
-            exchange = expert_parallel.exchange_kernels(
+        exchange = None
+        if ep:  # the backward's exchange, its copies beside GEMMs unless ep_overlap is false
+            split = expert_parallel.backward_comm_ctas(spec, target, overrides or {}) \
+                if expert_parallel.overlapped(overrides or {}) else None
+            exchange = (expert_parallel.exchange_kernels(
                 spec, target, row_tile, n_counters, status_slot,
-                int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000, target.sms, backward=True)
+                int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000,
+                split["send"][0] if split else target.sms, backward=True,
+                return_ctas=split["return"][0] if split else target.sms,
+                threads=expert_parallel.comm_threads(overrides or {}, backward=True)), split)
             buffers += expert_parallel.ep_backward_buffers(spec, row_tile)
         kernels += backward_kernels(gemm, spec, target, row_tile, buffers, steps, decisions, _expr(rows), exchange)
+        if ep and exchange[1]:
+            side_stream += ["ep_send_bwd", "ep_return_bwd"]
     profile = bool((overrides or {}).get("profile"))
     for k in kernels:  # every template reads the flag; only the forward's kernels record
         k.params = dict(k.params, profile=profile and k.name in forward)
@@ -702,7 +709,7 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 # debug_break_dependency makes the fused launch's down tiles wait for a count h_ready never
 # reaches (tests check that a broken dependency ends in a clear error, not a hang).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|profile|fuse_gemms"
-                           r"|cluster_m|dispatch_chunked|comm_sms|ep_overlap"
+                           r"|cluster_m|dispatch_chunked|comm_sms|bwd_send_sms|bwd_return_sms|comm_threads|ep_overlap"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -785,7 +792,7 @@ def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, 
 
 
 def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers: list, steps: dict,
-                     decisions: list, rows: str, exchange: list = ()) -> list:
+                     decisions: list, rows: str, exchange: tuple | None = None) -> list:
     """The training forward's and the backward's kernels (backward_graph's stages) and their
     step lists: steps["forward_train"] (the per-GEMM forward whose gate/up GEMMs also store
     the SwiGLU inputs), steps["backward"] (reads them) and steps["backward_recompute"]
@@ -793,7 +800,8 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
     dgrad of down, SwiGLU backward, dgrad of gate/up; the reverse combine; the weight
     gradients.
 
-    Expert parallel (exchange: the backward's exchange kernels): the routed kernels run on the
+    Expert parallel (exchange: the backward's exchange kernels, and the SMs of its copies that
+    run beside GEMMs, or None: one after the other): the routed kernels run on the
     rows this rank receives, whose x and dout rows arrive contiguous (TMA, no gather) with
     their weights; only steps["backward_recompute"] exists (nothing of the forward's receive
     layout outlives the call: later layers reuse the workspace)."""
@@ -863,7 +871,7 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
             k.params["all_rows"] = True
         ks.append(k)
     if ep:
-        return ep_backward_steps(ks, exchange, steps, decisions, S)
+        return ep_backward_steps(ks, *exchange, spec, target, steps, decisions)
     steps["backward_recompute"] = ["dispatch_count", "dispatch_scatter"] + [k.name for k in ks]
     # With the training forward's saved tensors (SAVED_FOR_BACKWARD) the backward neither
     # dispatches again nor recomputes; its tile counters start at zero (the runtime zeroes them).
@@ -885,29 +893,43 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
     return [train] + ([train_s] if S else []) + ks
 
 
-def ep_backward_steps(ks: list, exchange: list, steps: dict, decisions: list, S: int) -> list:
+def ep_backward_steps(ks: list, exchange: list, split: dict | None, spec: MoESpec, target: Target, steps: dict,
+                      decisions: list) -> list:
     """steps["backward_recompute"] of an expert-parallel Plan: dispatch and publish the counts
-    again (a new epoch, the same layout), send each pair's x row, dout row and weight on every
-    SM, the shared expert's kernels while they travel, then the routed kernels on the received
-    rows, the return of each row's input gradient and d_topk_weights entry (before the weight
-    gradients, so the peers' combines need not wait for them), and the reverse combine."""
-    names = {k.name for k in ks}
-    shared = [n for n in (k.name for k in ks) if "shared" in n]
+    again (a new epoch, the same layout); send each pair's x row, dout row and weight while the
+    shared expert's kernels and the recompute GEMM run (its producer waits per M tile for its
+    expert's rows, as the forward's gate/up does); then the routed kernels on the received
+    rows; the return of each row's input gradient and d_topk_weights entry beside the weight
+    gradients; the reverse combine. With split None (ep_overlap: false) each copy runs alone
+    on every SM."""
+    from . import expert_parallel
+
+    by_name = {k.name: k for k in ks}
+    shared = [k.name for k in ks if "shared" in k.name]
     routed = ["bwd_recompute", "bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup"]
-    assert set(routed) <= names
-    steps["backward_recompute"] = (["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd",
-                                    "ep_send_bwd"] + shared + ["ep_wait_rows"] + routed
-                                   + ["ep_return_bwd", "wgrad_down", "wgrad_gate", "wgrad_up", "ep_wait_returns",
-                                      "bwd_combine"])
+    wgrads = ["wgrad_down", "wgrad_gate", "wgrad_up"]
+    head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd", "ep_send_bwd"] + shared
+    if split:
+        expert_parallel.overlap_gemm(by_name["bwd_recompute"], spec, target, split["send"][0])
+        for name in wgrads:
+            expert_parallel.leave_sms(by_name[name], target, split["return"][0])
+        steps["backward_recompute"] = head + routed + ["ep_return_bwd"] + wgrads + ["ep_wait_returns", "bwd_combine"]
+        decisions += [f"backward send: {split['send'][0]} SMs beside bwd_recompute (x and dout rows); {split['send'][1]}",
+                      f"backward return: {split['return'][0]} SMs beside the weight gradients; {split['return'][1]}"]
+    else:
+        steps["backward_recompute"] = head + ["ep_wait_rows"] + routed + ["ep_return_bwd"] + wgrads + \
+            ["ep_wait_returns", "bwd_combine"]
     decisions.append(
         "backward (expert parallel): dispatch and publish again (the same counts give the same receive layout); "
         "ep_send_bwd stores each pair's x row into the expert's rank's ep_recv, its dout row into ep_grad and its "
-        "weight into ep_recv_w (every SM, then ep_wait_rows); there bwd_recompute (x rows by TMA) and "
+        "weight into ep_recv_w; there bwd_recompute (x rows by TMA, " + (
+            "waiting per M tile for its expert's rows" if split else "after ep_wait_rows") + ") and "
         "bwd_dgrad_down (dout rows by TMA), bwd_swiglu per received row (d_topk_weights entry into d_rows), "
         "bwd_dgrad_gateup; ep_return_bwd stores each row's input gradient into the source's ep_ret and its "
-        "d_rows entry into ep_ret_w; wgrad_* contract the received rows (padding rows zeroed by ep_layout_bwd); "
-        "bwd_combine sums dx over k in order" + (" plus the shared expert's" if S else "") + " and gathers "
-        "d_topk_weights: every gradient bitwise deterministic")
+        "d_rows entry into ep_ret_w" + (" beside" if split else ", then") + " wgrad_*, which contract the received "
+        "rows (padding rows zeroed by ep_layout_bwd); bwd_combine sums dx over k in order"
+        + (" plus the shared expert's" if spec.shared_intermediate else "") + " and gathers d_topk_weights: every "
+        "gradient bitwise deterministic")
     return exchange + ks
 
 

@@ -29,6 +29,10 @@ class Target:
     dispatch_scan_gbs: float = 0.0  # one dispatch CTA scanning the routed ids
     scatter_over_count: float = 1.0  # scatter task time / count task time
     launch_gap_us: float = 0.0  # launch + drain between two dependent kernels
+    # Device-initiated stores into a peer (the expert-parallel exchange, 16 B per lane, a
+    # warp per row): the rate one SM sustains, and the link's ceiling for such stores.
+    peer_store_gbs_per_sm: float = 0.0
+    peer_store_gbs: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,6 +54,11 @@ H200 = Target(
     dispatch_scan_gbs=11.4,  # count: 524 KB of ids in 46 us per expert CTA
     scatter_over_count=1.41,  # 65 us / 46 us
     launch_gap_us=5.0,
+    # Measured on 2 H200s (docs/perf.md, expert parallelism v2): the send on 16 SMs beside the
+    # gate/up GEMM moved 134 MB in 0.710 ms (189 GB/s, 11.8 per SM); the return on all 132 SMs
+    # 343 GB/s.
+    peer_store_gbs_per_sm=11.8,
+    peer_store_gbs=343.0,
 )
 
 TARGETS = {"sm_90a": H200}
