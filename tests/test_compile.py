@@ -193,8 +193,8 @@ def test_expert_parallel_variant_compiles(tmp_path):
 
 @pytest.mark.parametrize("world", [4, 8, 72])
 def test_exchange_compiles_for_larger_nvlink_domains(tmp_path, world):
-    """N=4 and N=8 (the DeepSeek-V3 layer) and an NVL72 domain are planned and their exchange
-    compiled (their GEMMs are the 2-GPU layer's templates)."""
+    """N=4 and N=8 (the DeepSeek-V3 layer) and an NVL72 domain are planned and their exchange,
+    forward and backward, compiled (their GEMMs are the 2-GPU layer's templates)."""
     import sys
 
     from mokgen.codegen.render import render, write_tree
@@ -205,5 +205,5 @@ def test_exchange_compiles_for_larger_nvlink_domains(tmp_path, world):
                              world_size=world, topology="nvlink"))
     write_tree(render(plan), tmp_path / "v")
     subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / "v"), str(tmp_path / "b"),
-                    *EXCHANGE], check=True, capture_output=True)
+                    *EXCHANGE, *EXCHANGE_BWD], check=True, capture_output=True)
     check_exchange_ptx(tmp_path / "b")
