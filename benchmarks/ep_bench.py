@@ -20,40 +20,17 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import mokgen
+from mokgen.module import torch_expert_parallel
 from mokgen.runtime import find_variant
 from mokgen.schedule import H200
 from mokgen.runtime.peers import workspace
 
 
 def torch_ep(x, ids, w, w13, wd, E, group):
-    """The layer with expert parallelism as a PyTorch user writes it (two NCCL all_to_alls,
-    one host sync for the split sizes); differentiable (the all_to_alls through
-    torch.distributed.nn, whose backward is the reverse all_to_all)."""
-    from torch.distributed.nn.functional import all_to_all_single as a2a
-
-    W = dist.get_world_size(group)
-    El, K, I = E // W, ids.shape[1], wd.shape[2]
-    flat = ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    tok = order // K
-    counts = torch.bincount(flat, minlength=E)
-    counts_in = torch.empty_like(counts)
-    dist.all_to_all_single(counts_in, counts, group=group)
-    send = counts.view(W, El).sum(1).tolist()
-    recv = counts_in.view(W, El).sum(1).tolist()
-    xr = a2a(x.new_empty(sum(recv), x.shape[1]), x[tok], recv, send, group=group)
-    local = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(W), counts_in)
-    by_expert = torch.argsort(local, stable=True)  # arrivals are by source, then expert
-    offs = torch.cumsum(counts_in.view(W, El).sum(0), 0).to(torch.int32)
-    h13 = torch._grouped_mm(xr[by_expert], w13.transpose(1, 2), offs=offs)
-    y = torch._grouped_mm(F.silu(h13[:, :I]) * h13[:, I:], wd.transpose(1, 2), offs=offs)
-    ys = torch.empty_like(y).index_copy(0, by_expert, y)
-    back = a2a(x.new_empty(sum(send), x.shape[1]), ys, send, recv, group=group)
-    out = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-    return out.index_add(0, tok, back.float() * w.reshape(-1)[order, None]).to(x.dtype)
+    """The torch expert-parallel layer (mokgen.module.torch_expert_parallel)."""
+    return torch_expert_parallel(x, ids, w, w13, wd, E, group)
 
 
 def timed(fn, warm=5, iters=20):

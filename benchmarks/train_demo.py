@@ -2,6 +2,12 @@
 same model on torch ops (same initial parameters, same batches), and compare the loss curves.
 
     python benchmarks/train_demo.py [--steps 300] [--out bench-out/train]
+    torchrun --nproc-per-node=2 benchmarks/train_demo.py     # expert parallel over 2 GPUs
+
+Expert parallel (under torchrun): every rank holds E/W experts of each MoE block and trains
+on its own batches (the same chain); the replicated parameters' gradients are averaged over
+the ranks, the experts' divided by W (the loss is the ranks' mean); the torch model runs
+the same blocks with the torch expert-parallel layer (NCCL all_to_all).
 
 The data is a synthetic Markov chain over a small vocabulary (each token has a few likely
 successors), so the loss has somewhere to go. Writes train.json (both loss curves and the
@@ -13,11 +19,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,12 +49,12 @@ class RMSNorm(nn.Module):
 class TinyMoELM(nn.Module):
     """Embedding -> LAYERS x (x + MoE(norm(x))) -> norm -> head."""
 
-    def __init__(self, reference: bool, device):
+    def __init__(self, reference: bool, device, group=None):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN, device=device, dtype=torch.bfloat16)
         self.norms = nn.ModuleList(RMSNorm(HIDDEN, device) for _ in range(LAYERS))
         self.moes = nn.ModuleList(mokgen.MoE(HIDDEN, INTER, EXPERTS, TOPK, renormalize=True, device=device,
-                                             reference=reference) for _ in range(LAYERS))
+                                             reference=reference, group=group) for _ in range(LAYERS))
         self.final = RMSNorm(HIDDEN, device)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False, device=device, dtype=torch.bfloat16)
 
@@ -57,10 +65,13 @@ class TinyMoELM(nn.Module):
         return self.head(self.final(x)).float()
 
 
-def markov_batches(steps, device, seed=0):
-    """Batches of (input, target) token sequences from a fixed random chain with 4 likely successors per token."""
+def markov_batches(steps, device, seed=0, stream=None):
+    """Batches of (input, target) token sequences from a fixed random chain with 4 likely
+    successors per token; stream: a seed of their own for the sequences (one per rank)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     succ = torch.randint(0, VOCAB, (VOCAB, 4), generator=g)
+    if stream is not None:
+        g = torch.Generator(device="cpu").manual_seed(stream)
     for _ in range(steps):
         seq = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
         seq[:, 0] = torch.randint(0, VOCAB, (BATCH,), generator=g)
@@ -74,19 +85,76 @@ def markov_batches(steps, device, seed=0):
         yield seq[:, :-1], seq[:, 1:]
 
 
-def train(model, steps, device, log_every, name):
+def train(model, steps, device, log_every, name, group=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     losses = []
     t0 = time.time()
-    for step, (inp, tgt) in enumerate(markov_batches(steps, device)):
+    rank = dist.get_rank(group) if group is not None else 0
+    for step, (inp, tgt) in enumerate(markov_batches(steps, device, stream=None if group is None else 1000 + rank)):
         loss = F.cross_entropy(model(inp).reshape(-1, VOCAB), tgt.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if group is not None:
+            sync_gradients(model, group)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group)
         opt.step()
         losses.append(loss.item())
-        if step % log_every == 0 or step == steps - 1:
+        if rank == 0 and (step % log_every == 0 or step == steps - 1):
             print(f"  {name} step {step:4d}: loss {losses[-1]:.4f} ({time.time() - t0:.1f} s)", flush=True)
     return losses
+
+
+def expert_parameters(model) -> set:
+    return {id(p) for m in model.moes for p in (m.w_gate, m.w_up, m.w_down)}
+
+
+def sync_gradients(model, group):
+    """The gradients of the ranks' mean loss: replicated parameters averaged over the ranks,
+    each rank's own experts (which saw every rank's tokens) divided by the world size."""
+    experts, world = expert_parameters(model), dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if id(p) in experts:
+            p.grad.div_(world)
+        else:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+
+
+@torch.no_grad()
+def init_experts(model, group):
+    """Rank r's experts are rows r*E/W ... of one global draw (the same on every rank)."""
+    g = torch.Generator(device="cpu").manual_seed(7)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    for m in model.moes:
+        for p, fan_in in ((m.w_gate, HIDDEN), (m.w_up, HIDDEN), (m.w_down, INTER)):
+            full = torch.randn((EXPERTS,) + tuple(p.shape[1:]), generator=g) / fan_in ** 0.5
+            p.copy_(full[rank * p.shape[0]:(rank + 1) * p.shape[0]])
+
+
+def plot(curves: dict, world: int, path: Path) -> None:
+    """Both loss curves (train.json's "curves") as a PNG, where matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, v in curves.items():
+        ax.plot(v, label=k, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(f"Tiny MoE LM, mokgen vs torch: {LAYERS} layers of E{EXPERTS} K{TOPK} H{HIDDEN} I{INTER}"
+                 + (f"\nexpert parallel over {world} GPUs" if world > 1 else ""), fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def main():
@@ -94,47 +162,48 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", type=Path, default=Path("bench-out/train"))
     ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--plot", type=Path, default=None, help="only redraw train.png from this train.json")
     args = ap.parse_args()
+    if args.plot:
+        data = json.loads(args.plot.read_text())
+        return plot(data["curves"], data["summary"].get("world_size", 1), args.plot.with_name("train.png"))
     if not torch.cuda.is_available():
         sys.exit("train_demo needs a CUDA GPU")
+    group, rank, world = None, 0, int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        rank = int(os.environ["RANK"])
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+        group = dist.group.WORLD
     device = "cuda"
     torch.manual_seed(0)
-    ours = TinyMoELM(reference=False, device=device)
-    ref = TinyMoELM(reference=True, device=device)
+    ours = TinyMoELM(reference=False, device=device, group=group)
+    if group is not None:
+        init_experts(ours, group)
+    ref = TinyMoELM(reference=True, device=device, group=group)
     ref.load_state_dict(copy.deepcopy(ours.state_dict()))
-    print(f"{BATCH}x{SEQ} tokens per step, {LAYERS} MoE layers E{EXPERTS} K{TOPK} H{HIDDEN} I{INTER}", flush=True)
-    curves = {"mokgen": train(ours, args.steps, device, args.log_every, "mokgen"),
-              "torch": train(ref, args.steps, device, args.log_every, "torch")}
+    if rank == 0:
+        print(f"{BATCH}x{SEQ} tokens per step{f' per rank, {world} ranks (expert parallel)' if group else ''}, "
+              f"{LAYERS} MoE layers E{EXPERTS} K{TOPK} H{HIDDEN} I{INTER}", flush=True)
+    curves = {"mokgen": train(ours, args.steps, device, args.log_every, "mokgen", group),
+              "torch": train(ref, args.steps, device, args.log_every, "torch", group)}
+    if rank != 0:
+        dist.destroy_process_group()
+        return
     a, b = curves["mokgen"], curves["torch"]
     tail = min(20, len(a))
     final = (sum(a[-tail:]) / tail, sum(b[-tail:]) / tail)
     worst_step = max(abs(x - y) for x, y in zip(a, b))
     ok = abs(final[0] - final[1]) <= 0.02 * final[1] and worst_step <= 0.1
-    summary = dict(steps=args.steps, first_loss=(a[0], b[0]), final_loss=final, max_step_difference=worst_step,
-                   agree=ok)
+    summary = dict(steps=args.steps, world_size=world, first_loss=(a[0], b[0]), final_loss=final,
+                   max_step_difference=worst_step, agree=ok)
     print(f"first loss {a[0]:.4f} / {b[0]:.4f}, final (mean of last {tail}) {final[0]:.4f} / {final[1]:.4f} "
           f"(mokgen / torch), largest per-step difference {worst_step:.4f}: {'agree' if ok else 'DISAGREE'}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train.json").write_text(json.dumps(dict(summary=summary, curves=curves), indent=1))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for k, v in curves.items():
-            ax.plot(v, label=k, lw=1)
-        ax.set_xlabel("step")
-        ax.set_ylabel("cross-entropy loss")
-        ax.set_title(f"Tiny MoE LM ({LAYERS} layers of E{EXPERTS} K{TOPK} H{HIDDEN} I{INTER}): mokgen vs torch")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(args.out / "train.png", dpi=110)
-        print(f"wrote {args.out / 'train.png'}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plot(curves, world, args.out / "train.png")
+    if group is not None:
+        dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 
 

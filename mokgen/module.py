@@ -52,6 +52,40 @@ def torch_grouped_mm(x, ids, w, w13, wd, I, shared=None):
     return out.to(x.dtype)
 
 
+def torch_expert_parallel(x, ids, w, w13, wd, E, group, shared=None):
+    """The layer with expert parallelism as a PyTorch user writes it: each rank holds E/W
+    experts (w13 = [w_gate; w_up] and wd of its local experts); a count exchange and one host
+    sync for the split sizes, NCCL all_to_alls through torch.distributed.nn (differentiable:
+    the backward is the reverse all_to_all), torch._grouped_mm experts, a weighted index_add
+    combine. shared: (ws13, ws_down) or None. The expert-parallel benchmarks' baseline."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_to_all_single as a2a
+
+    W = dist.get_world_size(group)
+    El, K, I = E // W, ids.shape[1], wd.shape[2]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    counts = torch.bincount(flat, minlength=E)
+    counts_in = torch.empty_like(counts)
+    dist.all_to_all_single(counts_in, counts, group=group)
+    send = counts.view(W, El).sum(1).tolist()
+    recv = counts_in.view(W, El).sum(1).tolist()
+    xr = a2a(x.new_empty(sum(recv), x.shape[1]), x[tok], recv, send, group=group)
+    local = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(W), counts_in)
+    by_expert = torch.argsort(local, stable=True)  # arrivals are by source, then expert
+    offs = torch.cumsum(counts_in.view(W, El).sum(0), 0).to(torch.int32)
+    h13 = torch._grouped_mm(xr[by_expert], w13.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(F.silu(h13[:, :I]) * h13[:, I:], wd.transpose(1, 2), offs=offs)
+    ys = torch.empty_like(y).index_copy(0, by_expert, y)
+    back = a2a(x.new_empty(sum(send), x.shape[1]), ys, send, recv, group=group)
+    out = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+    out = out.index_add(0, tok, back.float() * w.reshape(-1)[order, None])
+    if shared is not None:
+        torch_shared_expert(x, *shared, out)
+    return out.to(x.dtype)
+
+
 def experts_torch(x, ids, weights, w_gate, w_up, w_down, shared=None):
     """torch_grouped_mm on separate weights (shared: (ws_gate, ws_up, ws_down) or None); the
     concatenations are part of the autograd graph."""
@@ -65,23 +99,38 @@ class MoE(nn.Module):
     Input [..., hidden] bf16, output the same shape. Parameters: router.weight [E, H] fp32,
     w_gate, w_up [E, I, H], w_down [E, H, I] bf16 (+ ws_gate, ws_up [S, H], ws_down [H, S]).
     Under autograd it saves the SwiGLU inputs (2 x ~T*K x I bf16, + 2 x T x S) unless recompute=True.
+
+    Expert parallel (group: a process group of W ranks, one GPU each, linked by NVLink): the
+    module holds its rank's E/W experts (rank r: global experts r*E/W ...), the router and the
+    shared expert are replicated (their gradients are each rank's own: average them across
+    the group as for any replicated parameter). Every rank calls forward and backward of every
+    block together; max_tokens sizes the peer workspace (default: the first call's largest T).
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int, shared_intermediate: int = 0,
-                 renormalize: bool = False, device=None, reference: bool = False, recompute: bool = False):
+                 renormalize: bool = False, device=None, reference: bool = False, recompute: bool = False,
+                 group=None, max_tokens: int | None = None):
         super().__init__()
         from .ir import MoESpec
 
+        world = 1
+        if group is not None:
+            import torch.distributed as dist
+
+            world = dist.get_world_size(group)
         # Validates the sizes with the spec's messages before any allocation.
         self.spec = MoESpec(experts=experts, topk=topk, hidden=hidden, intermediate=intermediate,
-                            shared_intermediate=shared_intermediate, renormalize=renormalize)
+                            shared_intermediate=shared_intermediate, renormalize=renormalize, world_size=world,
+                            topology="nvlink" if world > 1 else "single")
         self.reference = reference
         self.recompute = recompute  # save only the inputs; the backward recomputes the SwiGLU inputs
+        self.group, self.max_tokens = (group, max_tokens) if world > 1 else (None, None)
+        local = self.spec.local_experts
         bf16 = dict(device=device, dtype=torch.bfloat16)
         self.router = nn.Linear(hidden, experts, bias=False, device=device, dtype=torch.float32)
-        self.w_gate = nn.Parameter(torch.empty(experts, intermediate, hidden, **bf16))
-        self.w_up = nn.Parameter(torch.empty(experts, intermediate, hidden, **bf16))
-        self.w_down = nn.Parameter(torch.empty(experts, hidden, intermediate, **bf16))
+        self.w_gate = nn.Parameter(torch.empty(local, intermediate, hidden, **bf16))
+        self.w_up = nn.Parameter(torch.empty(local, intermediate, hidden, **bf16))
+        self.w_down = nn.Parameter(torch.empty(local, hidden, intermediate, **bf16))
         if shared_intermediate:
             self.ws_gate = nn.Parameter(torch.empty(shared_intermediate, hidden, **bf16))
             self.ws_up = nn.Parameter(torch.empty(shared_intermediate, hidden, **bf16))
@@ -92,7 +141,7 @@ class MoE(nn.Module):
         # The generated ops, found (or built) once: a module on a GPU resolves them now, so
         # that torch.compile traces a plain custom-op call; elsewhere at the first forward.
         self._ops = None
-        if not reference and self.w_gate.is_cuda:
+        if not reference and self.w_gate.is_cuda and self.group is None:
             self._resolve()
 
     def _resolve(self):
@@ -100,6 +149,17 @@ class MoE(nn.Module):
 
         s = self.spec  # renormalisation happens in the router (torch): any build of these sizes serves
         self._ops = find_variant(s.experts, s.topk, s.hidden, s.intermediate, s.shared_intermediate).ops
+
+    def _forward_expert_parallel(self, x2, ids, weights, shared):
+        if self.reference:
+            shared13 = (torch.cat([shared[0], shared[1]], 0), shared[2]) if shared is not None else None
+            return torch_expert_parallel(x2, ids, weights, torch.cat([self.w_gate, self.w_up], 1), self.w_down,
+                                         self.spec.experts, self.group, shared13)
+        from .runtime import moe
+
+        ws_gate, ws_up, ws_down = shared or (None, None, None)
+        return moe(x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down, ws_gate=ws_gate,
+                   ws_up=ws_up, ws_down=ws_down, check_ids=False, group=self.group, max_tokens=self.max_tokens)
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -115,7 +175,9 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         ids, weights = route_torch(self.router(x2.float()), self.spec.topk, self.spec.renormalize)
         shared = (self.ws_gate, self.ws_up, self.ws_down) if self.ws_gate is not None else None
-        if self.reference:
+        if self.group is not None:
+            out = self._forward_expert_parallel(x2, ids, weights, shared)
+        elif self.reference:
             out = experts_torch(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared)
         else:
             if self._ops is None:
@@ -132,6 +194,7 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.spec
+        ep = f"expert parallel over {s.world_size} ranks ({s.local_experts} experts here), " if self.group else ""
         return (f"hidden={s.hidden}, intermediate={s.intermediate}, experts={s.experts}, topk={s.topk}, "
-                f"shared_intermediate={s.shared_intermediate}, renormalize={s.renormalize}, "
+                f"shared_intermediate={s.shared_intermediate}, renormalize={s.renormalize}, {ep}"
                 f"{'torch reference' if self.reference else 'generated kernels'}")

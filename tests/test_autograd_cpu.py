@@ -48,3 +48,19 @@ def test_autograd_through_the_ops_on_fake_tensors(spec, train):
         out.float().sum().backward()
         leaves = [x, w] + params + ([t for t in shared] if S else [])
         assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+
+
+def test_expert_parallel_module_holds_its_ranks_experts(monkeypatch):
+    """mokgen.MoE(group=...) holds E/W experts per rank and a replicated router; sizes the
+    group cannot split are refused before any allocation."""
+    import torch.distributed as dist
+
+    import mokgen
+    from mokgen.ir import SpecError
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    m = mokgen.MoE(256, 128, 8, 2, group=object(), reference=True)
+    assert m.w_gate.shape == (4, 128, 256) and m.w_down.shape == (4, 256, 128) and m.router.weight.shape == (8, 256)
+    assert "expert parallel over 2 ranks (4 experts here)" in repr(m)
+    with pytest.raises(SpecError):
+        mokgen.MoE(256, 128, 7, 2, group=object(), reference=True)
