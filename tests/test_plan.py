@@ -68,11 +68,18 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
     # the exchange brackets the GEMMs; nothing waits before it has published
     assert fwd[:5] == ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send"]
     # the send runs beside gate/up, whose producer waits for each expert's rows
-    assert fwd[-5:] == ["gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns", "combine"]
+    assert fwd[-4:] == ["gemm_gateup", "gemm_down", "ep_wait_returns", "combine"]
+    # the down GEMM returns its rows itself: its last CTAs from the start, per M tile
+    down = p.kernel("gemm_down").params
+    assert down["ep_return"] and down["sms"] == 132 and p.kernel("gemm_down").grid == "(132,)"
+    assert 1 <= down["return_ctas"] <= 124 and "down_ready" in {a.tensor for a in p.kernel("gemm_down").args}
+    assert "down_ready" in {a.tensor for a in p.kernel("ep_layout").args}  # zeroed per call there
+    assert make_plan(EP2, overrides={"return_sms": 30}).kernel("gemm_down").params["return_ctas"] == 30
     assert p.side_stream[0] == "ep_send" and p.kernel("gemm_gateup").params["ep_ready"]
     assert p.kernel("gemm_gateup").params["sms"] + p.kernel("ep_send").params["comm_ctas"] == 132
     serial = make_plan(EP2, overrides={"ep_overlap": False})
     assert "ep_wait_rows" in serial.steps["forward"] and not serial.side_stream
+    assert "ep_return" in serial.steps["forward"] and not serial.kernel("gemm_down").params.get("ep_return")
     assert not serial.kernel("gemm_gateup").params.get("ep_ready")
     assert "backward" not in p.steps and "forward_fused" not in p.steps and "forward_train" not in p.steps
     mem = {b.name: b.memory for b in p.buffers}

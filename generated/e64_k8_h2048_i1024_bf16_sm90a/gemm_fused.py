@@ -139,10 +139,10 @@ def fused_tile_at(tile: cutlass.Int32, used_m_tiles: cutlass.Int32, tile_expert:
 
 @cute.jit
 def wait_count_bounded(counter: cute.Pointer, target: cutlass.Int32, status: cute.Pointer,
-                       failed: cutlass.Boolean) -> cutlass.Boolean:
+                       failed: cutlass.Boolean, site: cutlass.Constexpr) -> cutlass.Boolean:
     """Spin until a counter that other CTAs raise (release) reaches target (acquire, GPU
-    scope), bounded like wait_bounded, whose return value this shares. Then order the async
-    proxy (TMA loads) after it."""
+    scope), bounded like wait_bounded, whose return value this shares (site: the error
+    code's wait site). Then order the async proxy (TMA loads) after it."""
     gave_up = failed
     if not failed:
         seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
@@ -153,7 +153,7 @@ def wait_count_bounded(counter: cute.Pointer, target: cutlass.Int32, status: cut
                 if seen < target:
                     waited = cute.arch.globaltimer() - start
                     if waited > WAIT_TIMEOUT_NS:
-                        cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_BASE + SITE_H_READY), sem="relaxed", scope="gpu")
+                        cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_BASE + site), sem="relaxed", scope="gpu")
                         seen = target
                         gave_up = True
                     elif waited > STATUS_POLL_NS:
@@ -544,7 +544,7 @@ class GemmFused:
                     k_tiles_now = k_tiles2
                     if warp_idx == 0:
                         if kind == DOWN:
-                            failed = wait_count_bounded(h_ready.iterator + m_tile, N_TILES, status, failed)
+                            failed = wait_count_bounded(h_ready.iterator + m_tile, N_TILES, status, failed, SITE_H_READY)
                     for kt in cutlass.range(k_tiles_now, unroll=1):
                         if warp_idx == 0:
                             failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
@@ -763,7 +763,7 @@ class GemmFused:
                 store_pipeline.producer_tail()
             # ---------------- combine (consumer warps, once no tile is left) ----------------
             if ctid == 0:
-                failed = wait_count_bounded(down_done, down_total, status, failed)
+                failed = wait_count_bounded(down_done, down_total, status, failed, SITE_H_READY)
             epi_barrier.arrive_and_wait()
             cute.arch.fence_acq_rel_gpu()  # thread 0's acquire covers this thread's reads of y
             # One token row per consumer warp at a time (rows CTA * warps + warp, then strided by

@@ -44,6 +44,11 @@ def _context_key(template: str) -> str:
             "swiglu_backward.py.j2": "s", "ep_exchange.py.j2": "p"}[template]
 
 
+def _includes(k: KernelPlan) -> list[str]:
+    """Templates a kernel's template includes (their hashes decide staleness too)."""
+    return ["ep_rows.py.j2"] if k.template == "ep_exchange.py.j2" or k.params.get("ep_return") else []
+
+
 def _shim_kernel(k: KernelPlan) -> dict:
     return dict(name=k.name, stage=k.stage, module=k.module, entry=k.entry,
                 args=[dict(name=a.name, symbolic=any(isinstance(d, str) for d in a.shape)) for a in k.args])
@@ -67,7 +72,7 @@ def render(plan: Plan) -> dict[str, str]:
         "cute_dsl_version": CUTE_DSL_VERSION,
         "spec": plan.spec,
         "plan": plan.to_dict(),
-        "templates": template_hashes([k.template for k in plan.kernels] + [SHIM_TEMPLATE]),
+        "templates": template_hashes([t for k in plan.kernels for t in [k.template, *_includes(k)]] + [SHIM_TEMPLATE]),
         "files": {},
     }
     manifest["files"] = {p: hashlib.sha256(t.encode()).hexdigest() for p, t in sorted(files.items())}

@@ -40,7 +40,8 @@ class KernelTimeout(RuntimeError):
 
 # Where a GEMM wait gave up (the low 4 bits of its error code; templates/grouped_gemm_persistent.py.j2).
 WAIT_SITES = {1: "a consumer waiting for a loaded pipeline stage", 2: "the producer waiting for a free pipeline stage",
-              3: "a warp waiting on the tile scheduler", 4: "a down tile waiting for its gate/up tiles (h_ready)"}
+              3: "a warp waiting on the tile scheduler", 4: "a down tile waiting for its gate/up tiles (h_ready)",
+              5: "the return waiting for an M tile's down tiles (down_ready)"}
 
 
 def timeout_message(variant: str, gemm_by_slot: dict, code: int, timeout_ms: int) -> str:

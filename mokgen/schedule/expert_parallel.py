@@ -18,9 +18,18 @@ host synchronisation and no collective library:
                  flags from every rank) and down over ep_recv (TMA, no gather). With
                  ep_overlap: false, wait_rows waits for every rank's rows flag first.
     return       store each result row into its source rank's ep_ret, at the row's send
-                 position; the last CTA raises the source's returns flag
+                 position; the last CTA raises the source's returns flag. Overlapped, the
+                 down GEMM's launch does it: each stored down tile counts itself in
+                 down_ready[m], and the launch's last CTAs (from the start) and every other
+                 CTA (once it has no tile left) return M tile after M tile as they complete;
+                 else the return kernel runs after the down GEMM
     wait_returns wait until every rank has returned this rank's rows (bounded)
     combine      out[t] = sum_k w[t,k] * ep_ret[pos[t,k]] in k order: bitwise deterministic
+
+The backward (exchange_kernels(backward=True), plan.ep_backward_steps) runs the same protocol
+with a new epoch: each pair's x row, dout row and weight out, the recompute GEMM waiting per
+M tile beside the send, each row's input gradient and d_topk_weights entry back beside the
+weight-gradient GEMMs.
 
 Flags hold the call's epoch (a per-rank counter on the device, raised by publish), so they
 never need resetting and a CUDA graph replays correctly. ep_counts is double-buffered by
@@ -97,6 +106,12 @@ def overlapped(overrides: dict) -> bool:
     return overrides.get("ep_overlap", True)
 
 
+def gemm_returns(overrides: dict) -> bool:
+    """Whether the down GEMM's launch returns the rows (overlapped runs only; Plan override
+    gemm_returns: false keeps the return kernel after it)."""
+    return overlapped(overrides) and overrides.get("gemm_returns", True)
+
+
 def overlap_split(copy_bytes: float, gemm_flops: float, tail: float, target: Target) -> tuple[int, str]:
     """(SMs for a copy of copy_bytes that runs beside a GEMM of gemm_flops, why). The cost
     model: n SMs store at min(n * the per-SM peer store rate, the link's ceiling); the GEMM
@@ -147,6 +162,36 @@ def comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> tuple[int, str]
     return overlap_split(1000 * _per_token(spec, 1), 1000 * 2 * K * H * 2 * I, 1 / spec.local_experts, target)
 
 
+def return_ctas(spec: MoESpec, target: Target, overrides: dict) -> tuple[int, str]:
+    """CTAs of the down GEMM's launch that return rows from the start (the others join once
+    they have no tile left): the cost model, the return beside the down GEMM. `return_sms`
+    overrides."""
+    n = _sms_override(overrides, "return_sms", target)
+    if n is not None:
+        return n, "set by override return_sms"
+    K, H, I = spec.topk, spec.hidden, spec.intermediate
+    return overlap_split(1000 * _per_token(spec, 1), 1000 * 2 * K * H * I, 1 / spec.local_experts, target)
+
+
+def return_in_gemm(down: KernelPlan, spec: MoESpec, target: Target, overrides: dict, slot: int) -> tuple[int, str]:
+    """Make the down GEMM return its rows itself (templates/grouped_gemm_persistent.py.j2,
+    ep_return): one launch of target.sms CTAs, the last n of which return M tiles from the
+    start; the others claim GEMM tiles, then return too. Each stored down tile raises
+    down_ready[m]; an M tile's rows leave once all its N tiles are stored."""
+    n, why = return_ctas(spec, target, overrides)
+    W = spec.world_size
+    down.params = dict(down.params, ep_return=True, return_ctas=n, return_slot=slot, sms=target.sms,
+                       ep_rows=dict(world=W, local_experts=spec.local_experts, hidden=spec.hidden, vec=8,
+                                    regions=list(REGIONS), flag_kinds=list(FLAG_KINDS), state=list(STATE)))
+    down.args += [KernelArg("down_ready", "down_ready", "i32", ["MT"]),
+                  KernelArg("recv_off", "recv_off", "i32", [spec.local_experts, W + 1]),
+                  KernelArg("src_start", "src_start", "i32", [W, spec.local_experts]),
+                  KernelArg("peers", "ep_peers", "i64", [len(REGIONS), W]),
+                  KernelArg("ep_state", "ep_state", "i32", [len(STATE)])]
+    down.grid = f"({target.sms},)"
+    return n, why
+
+
 def backward_comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> dict:
     """{"send": (n, why), "return": (n, why)}: the backward's send (x and dout rows) beside the
     recompute GEMM, its return (input-gradient rows) beside the three weight-gradient GEMMs."""
@@ -194,6 +239,8 @@ def ep_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
         Buffer("recv_off", "i32", [str(El), str(W + 1)], memory="persistent"),
         Buffer("src_start", "i32", [str(W), str(El)], memory="persistent"),
         Buffer("recv_counts", "i32", [str(El)], memory="persistent"),  # received rows per local expert
+        # down_ready[m]: the down GEMM's stored N tiles of M tile m (it returns the tile's rows then)
+        Buffer("down_ready", "i32", [_expr(received_tiles(spec, row_tile))], memory="persistent"),
         # the rank's own rows in send order (dispatch with a one-row tile): token and expert
         Buffer("send_token", "i32", [_expr(T * K + E)]),
         Buffer("send_expert", "i32", [_expr(T * K + E)]),
@@ -219,7 +266,7 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
         raise PlanError(f"world_size={W}: at most {MAX_WORLD} ranks are planned")
     ctas, why = comm_ctas(spec, target, overrides)
     kernels = exchange_kernels(spec, target, row_tile, n_counters, status_slot, wait_timeout_ns, ctas,
-                               threads=comm_threads(overrides))
+                               threads=comm_threads(overrides), down_ready=gemm_returns(overrides))
     rows = _expr(received_tiles(spec, row_tile) * row_tile)
     order = ("send order local-expert-major (every rank sends every owner's local expert 0 first, then 1, ...): "
              "each owner's GEMM walks its M tiles in that order")
@@ -230,7 +277,9 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
         f"expert parallel over {W} GPUs ({spec.topology}, P2P stores, no multicast): {El} experts per rank; rows "
         "move by device-initiated stores into the owner's symmetric memory, flags carry the call's epoch "
         "(release/acquire at system scope, bounded waits); no host sync and no collective library in the layer",
-        f"communication: {ctas} CTAs send; {why}; the return runs after the down GEMM on all {target.sms} SMs",
+        f"communication: {ctas} CTAs send; {why}; " + ("the down GEMM returns its rows itself (see below)"
+                                                         if gemm_returns(overrides) else
+                                                         f"the return runs after the down GEMM on all {target.sms} SMs"),
         order,
         f"receive layout: by local expert, then source rank, then the source's send order, each expert padded to "
         f"{row_tile} rows: fixed by the counts alone, so the same routing always gives the same rows and bits",
@@ -250,7 +299,8 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
 
 def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
                      wait_timeout_ns: int, ctas: int, backward: bool = False,
-                     return_ctas: int | None = None, threads: int = EP_THREADS) -> list[KernelPlan]:
+                     return_ctas: int | None = None, threads: int = EP_THREADS,
+                     down_ready: bool = False) -> list[KernelPlan]:
     """The exchange kernels (templates/ep_exchange.py.j2), of the forward or of the backward.
     The backward's (module ep_bwd: layout, send and return, named *_bwd) also move each row's
     output gradient and routing weight to the expert's rank, zero the received padding rows,
@@ -263,7 +313,7 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
                   comm_ctas=ctas, return_ctas=return_ctas or target.sms, wait_threads=wait_threads, vec=8, status_slot=status_slot,
                   wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, regions=list(REGIONS),
                   flag_kinds=list(FLAG_KINDS), state=list(STATE), bwd=backward,
-                  zero_padding=["ep_recv", "ep_grad"] if backward else [])
+                  zero_padding=["ep_recv", "ep_grad"] if backward else [], down_ready=down_ready)
     peers = KernelArg("peers", "ep_peers", "i64", [len(REGIONS), W])
     state = KernelArg("state", "ep_state", "i32", [len(STATE)])
     flags = KernelArg("flags", "ep_flags", "i32", [len(FLAG_KINDS), W])
@@ -284,7 +334,8 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
           [KernelArg("ep_counts", "ep_counts", "i32", [2, W, E]), flags, state, counters,
            KernelArg("send_shift", "send_shift", "i32", [E]), recv_off, src_start,
            KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), KernelArg("row_token", "row_token", "i32", ["M"]),
-           sent, peers, KernelArg("recv_counts", "recv_counts", "i32", [El])],
+           sent, peers, KernelArg("recv_counts", "recv_counts", "i32", [El])]
+          + ([KernelArg("down_ready", "down_ready", "i32", ["MT"])] if down_ready else []),
           f"({E},)", threads,
           ["all warps: wait for every rank's counts, then for global expert e: where this rank's rows of e land "
            "on e's owner; the owner's CTAs also write the receive layout (tile table, valid rows, segments)"

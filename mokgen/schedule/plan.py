@@ -291,8 +291,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     gemm_names = ([] if paths == "fused" else ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])) \
         + (["gemm_fused"] if fuse else []) + (BACKWARD_GEMMS if backward else []) \
         + (SHARED_BACKWARD_GEMMS if backward and S else [])
+    # expert parallel, overlapped: the down GEMM returns its rows, claiming M tiles from a counter
+    gemm_returns = ep and expert_parallel.gemm_returns(overrides or {})
     slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
-        + (["down_done"] if fused_combine else []) + ["status"]
+        + (["down_done"] if fused_combine else []) + (["ep_return"] if gemm_returns else []) + ["status"]
     used_slot = slots.index("used") if fuse else 0
     shared_slot = slots.index("shared_done") if "shared_done" in slots else 0
     done_slot = slots.index("down_done") if fused_combine else None
@@ -445,7 +447,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         decisions.append("gemm_gateup gathers its A rows from x (cp.async by the producer warpgroup): "
                          "no permuted copy of x")
     down = gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
-                "tile_expert", "M", "MT", E, "Routed down projection.")
+                "tile_expert", "M", "MT", E, "Routed down projection." + (
+                    " It returns its rows to their source ranks per M tile." if gemm_returns else ""))
+    if gemm_returns:
+        n_ret, why_ret = expert_parallel.return_in_gemm(down, spec, target, overrides or {}, slots.index("ep_return"))
     steps = {}
     if paths != "fused":
         kernels += [gateup, down]
@@ -515,7 +520,12 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         # send runs on the second stream and gate/up waits per M tile instead of ep_wait_rows.
         head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send"] + shared_steps
         if expert_parallel.overlapped(overrides or {}):  # the send beside gate/up, which waits per M tile
-            steps["forward"] = head + ["gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns", "combine"]
+            steps["forward"] = head + ["gemm_gateup", "gemm_down"] + ([] if gemm_returns else ["ep_return"]) \
+                + ["ep_wait_returns", "combine"]
+            if gemm_returns:
+                decisions.append(f"return inside gemm_down: its last {n_ret} CTAs return M tiles from the start, the "
+                                 "others once they have no tile left; an M tile's rows leave when its N tiles are "
+                                 f"stored (down_ready, release/acquire at GPU scope, bounded); {why_ret}")
             side_stream = ["ep_send"]
         else:
             steps["forward"] = head + ["ep_wait_rows", "gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns",
@@ -709,7 +719,7 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 # debug_break_dependency makes the fused launch's down tiles wait for a count h_ready never
 # reaches (tests check that a broken dependency ends in a clear error, not a hang).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|profile|fuse_gemms"
-                           r"|cluster_m|dispatch_chunked|comm_sms|bwd_send_sms|bwd_return_sms|comm_threads|ep_overlap"
+                           r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -722,7 +732,7 @@ def check_overrides(overrides: dict) -> None:
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
         if key in ("debug_unchecked", "debug_break_dependency", "profile", "fuse_gemms", "dispatch_chunked",
-                   "ep_overlap"):
+                   "ep_overlap", "gemm_returns"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
