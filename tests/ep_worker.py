@@ -222,6 +222,25 @@ def main():
         dist.barrier()  # nobody frees its workspace while a peer may still store into it
         mokgen.release_peer_workspaces()
         case("after a fresh workspace", 100, "uniform")
+        # the same in the backward: every rank runs the forward, rank world-1 skips the backward
+        x = torch.randn(64, H, device="cuda", generator=gen).bfloat16().requires_grad_(True)
+        ids, w = routing(64, E, K, "uniform", rank, world, gen)
+        out = mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, max_tokens=cap, **shared)
+        mokgen.check_errors()
+        if rank != world - 1:
+            t0 = time.time()
+            try:
+                out.backward(torch.ones_like(out))
+                mokgen.check_errors()
+                print(f"rank {rank} absent peer in the backward: no error raised FAIL", flush=True)
+                failures += 1
+            except KernelTimeout as e:
+                print(f"rank {rank} absent peer in the backward: KernelTimeout after {time.time() - t0:.1f}s ok "
+                      f"({str(e)[:90]}...)", flush=True)
+        torch.cuda.synchronize()
+        dist.barrier()
+        mokgen.release_peer_workspaces()
+        grad_case("backward after a fresh workspace", [100] * world, "uniform")
     total = torch.tensor([failures], device="cuda")
     dist.all_reduce(total)
     if rank == 0:
