@@ -135,6 +135,7 @@ def bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, group, rank, g, variant
     for path in variants:  # other builds of the layer: forward + backward through the variant itself
         other = mokgen.load(path)
         peers = workspace(other, group, T, max(tokens))
+        peers.prepare(other, "backward_recompute")
         xd, wdt = x.detach(), w.detach()
 
         def both():

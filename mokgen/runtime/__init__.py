@@ -174,6 +174,7 @@ def _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gat
     if _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
         if not v.has_backward:
             raise NotImplementedError(f"{v.name}: the backward is not generated for this layer ({v.why_no_backward()})")
+        peers.prepare(v, "backward_recompute")  # collective, here where every rank takes part
         return _ExpertParallelMoE.apply(v, peers, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up,
                                         ws_down)
     return v.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, peers=peers)

@@ -67,14 +67,22 @@ class PeerWorkspace:
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
+    def missing(self, variant, entry: str) -> list:
+        """The regions an entry point needs that do not exist yet."""
+        if not variant.entry_buffers(entry) & set(BACKWARD_REGIONS):
+            return []
+        return [n for n in BACKWARD_REGIONS if n in self._plan and n not in self.buffers]
+
     def prepare(self, variant, entry: str) -> None:
-        """Make the regions an entry point needs that do not exist yet (its first call, on
-        every rank at once, outside CUDA graph capture)."""
-        missing = [n for n in BACKWARD_REGIONS if n in self._plan and n not in self.buffers]
-        if missing and variant.entry_buffers(entry) & set(BACKWARD_REGIONS):
+        """Make the regions an entry point needs that do not exist yet. Collective (every rank
+        at once, outside CUDA graph capture): the forward under autograd makes the backward's,
+        so that the backward itself never waits on a host collective (a rank that skipped it
+        would hang it; in the kernels, its absence is a bounded wait)."""
+        missing = self.missing(variant, entry)
+        if missing:
             if torch.cuda.is_current_stream_capturing():
-                raise InputError(f"{variant.name}: the first expert-parallel backward call makes the peer "
-                                 "workspace's backward regions (collective); run it once before capturing a graph")
+                raise InputError(f"{variant.name}: the first expert-parallel call under autograd makes the peer "
+                                 "workspace's backward regions (collective); run one before capturing a graph")
             self._make(missing)
 
     def nbytes(self) -> int:

@@ -316,8 +316,10 @@ class Variant:
         self._check_status(wait=False)
         entry = "backward" if saved is not None else "backward_recompute"
         with torch.cuda.device(x.device):
-            if peers is not None:
-                peers.prepare(self, entry)  # the backward's regions, made by its first call
+            if peers is not None and peers.missing(self, entry):
+                raise InputError(f"{self.name}: the peer workspace has no backward regions yet; the forward makes "
+                                 "them when it runs under autograd (mokgen.moe with tensors that require grad), or "
+                                 f"call peers.prepare(variant, {entry!r}) on every rank together first")
             env = self._workspace(tokens, x.device, entry, peers.capacity if peers is not None else 0)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
                        ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down, dout=dout, dx=dx, d_topk_weights=d_weights)
