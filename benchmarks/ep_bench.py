@@ -103,9 +103,10 @@ def host_profile(call, rank, calls=50):
         pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
-BACKWARD_KERNELS = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd", "ep_send_bwd", "ep_wait_rows",
-                    "bwd_recompute", "bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup", "ep_return_bwd", "wgrad_down",
-                    "wgrad_gate", "wgrad_up", "ep_wait_returns", "bwd_combine"]
+BACKWARD_KERNELS = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd", "ep_send_bwd_grad",
+                    "ep_send_bwd_x", "gemm_gateup_train", "bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup",
+                    "ep_return_bwd", "wgrad_down", "ep_wait_rows", "wgrad_gate", "wgrad_up", "ep_wait_returns",
+                    "bwd_combine"]
 
 
 def bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, group, rank, g, variants=()):
@@ -126,6 +127,8 @@ def bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, group, rank, g, variant
 
     mk = lambda: mokgen.moe(x, ids, w, *params, group=group, max_tokens=max(tokens), check_ids=False)
     ms = timed(lambda: step(mk, [x, w, *params]))
+    ms_recompute = timed(lambda: step(lambda: mokgen.moe(x, ids, w, *params, group=group, max_tokens=max(tokens),
+                                                         check_ids=False, recompute=True), [x, w, *params]))
     ms_torch = timed(lambda: step(lambda: torch_ep(x, ids, w, w13, wd_t, E, group), [x, w, w13, wd_t]))
     kt = kernel_times(v, lambda: step(mk, [x, w, *params]), BACKWARD_KERNELS)
     ones = [(torch.randn(E, I, H, device="cuda", generator=g) / math.sqrt(H)).bfloat16().requires_grad_(True)
@@ -135,31 +138,33 @@ def bench_backward(T, E, K, H, I, tokens, wg, wu, wd, v, group, rank, g, variant
     for path in variants:  # other builds of the layer: forward + backward through the variant itself
         other = mokgen.load(path)
         peers = workspace(other, group, T, max(tokens))
-        peers.prepare(other, "backward_recompute")
+        peers.prepare(other, "backward")
         xd, wdt = x.detach(), w.detach()
 
-        def both():
-            other.forward(xd, ids, wdt, *wp, peers=peers)
-            return other.backward(dout, xd, ids, wdt, *wp, peers=peers)
+        def both():  # the saved path, as autograd runs it
+            _, *saved = other.forward_train(xd, ids, wdt, *wp, peers=peers)
+            return other.backward(dout, xd, ids, wdt, *wp, saved=saved, peers=peers)
 
         wp = [p.detach() for p in params]
         t_other = timed(both)
-        got, want = both(), v.backward(dout, xd, ids, wdt, *wp, peers=workspace(v, group, T, max(tokens)))
+        got, want = both(), v.backward(dout, xd, ids, wdt, *wp, peers=workspace(v, group, T, max(tokens)))  # recompute
         same = all(torch.equal(a_, b_) for a_, b_ in zip(got, want) if a_ is not None)
-        kt_o = kernel_times(other, both, ["ep_send_bwd", "bwd_recompute", "ep_return_bwd", "wgrad_down", "wgrad_up",
-                                          "ep_wait_returns"])
+        kt_o = kernel_times(other, both, ["ep_send_bwd_grad", "ep_send_bwd_x", "bwd_dgrad_down", "bwd_dgrad_gateup",
+                                          "ep_return_bwd", "wgrad_down", "ep_wait_rows", "ep_wait_returns"])
         if rank == 0:
             print(f"   {path}: forward+backward {t_other:.3f} ms ({ms_torch / t_other:.2f}x torch EP); gradients the "
                   f"same bits as the default build: {same}; decisions: {other.plan['overrides']}; kernels (ms): "
                   + ", ".join(f"{k} {t:.3f}" for k, t in kt_o.items()), flush=True)
     fl = 3 * 6.0 * T * K * H * I
     row = dict(shape=f"E{E} K{K} H{H} I{I}", world=dist.get_world_size(group), tokens_per_rank=T,
-               mode="forward+backward", mokgen_ms=ms, torch_ep_ms=ms_torch, ratio=ms_torch / ms,
+               mode="forward+backward", mokgen_ms=ms, mokgen_recompute_ms=ms_recompute, torch_ep_ms=ms_torch,
+               ratio=ms_torch / ms,
                mokgen_tflops_per_gpu=fl / ms / 1e9, torch_tflops_per_gpu=fl / ms_torch / 1e9, single_gpu_ms=ms_single,
                per_gpu_vs_single=ms_single / ms, kernels_ms=kt)
     if rank == 0:
         print(f"T={T}/rank forward+backward  mokgen {ms:.3f} ms ({row['mokgen_tflops_per_gpu']:.0f} TF/s/GPU)  torch EP "
-              f"{ms_torch:.3f} ms ({row['torch_tflops_per_gpu']:.0f})  ratio {row['ratio']:.2f}x  | "
+              f"{ms_torch:.3f} ms ({row['torch_tflops_per_gpu']:.0f})  ratio {row['ratio']:.2f}x  | recompute=True "
+              f"{ms_recompute:.3f} ms ({ms_torch / ms_recompute:.2f}x)  | "
               f"{100 * row['mokgen_tflops_per_gpu'] / H200.dense_bf16_tflops:.0f}% of the dense bf16 GEMM peak  | "
               f"single GPU same work {ms_single:.3f} ms -> EP at {100 * row['per_gpu_vs_single']:.0f}%", flush=True)
         print("   backward kernels (ms): " + ", ".join(f"{k} {t:.3f}" for k, t in kt.items()), flush=True)

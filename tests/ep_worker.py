@@ -156,24 +156,24 @@ def main():
         ids, w = routing(T, E, K, kind, r, world, g_r)
         return x, ids, w, torch.randn(T, H, device="cuda", generator=g_r).bfloat16()
 
-    def mokgen_grads(x, ids, w, dout):
+    def mokgen_grads(x, ids, w, dout, recompute):
         leaves = [t.clone().requires_grad_(True) for t in (x, w, *local, *(shared[n] for n in shared_names if S))]
         out = mokgen.moe(leaves[0], ids, leaves[1], *leaves[2:5], group=dist.group.WORLD, max_tokens=cap,
-                         **dict(zip(shared_names, leaves[5:])))
+                         recompute=recompute, **dict(zip(shared_names, leaves[5:])))
         out.backward(dout)
         mokgen.check_errors()
         names = ["dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"] + (["d_ws_gate", "d_ws_up", "d_ws_down"]
                                                                               if S else [])
         return dict(zip(names, (t.grad for t in leaves)))
 
-    def grad_case(name, Ts, kind, runs=1):
+    def grad_case(name, Ts, kind, runs=1, recompute=False):
         nonlocal failures
         case_seed = int(seed.item()) % 100000 + next(grad_cases)
         every = [inputs_of(case_seed, r, Ts[r], kind) for r in range(world)]
         x, ids, w, dout = every[rank]
         poison()
         t0 = time.time()
-        got = [mokgen_grads(x, ids, w, dout) for _ in range(runs)]
+        got = [mokgen_grads(x, ids, w, dout, recompute) for _ in range(runs)]
         # the global routed layer over every rank's tokens; the shared expert on this rank's own
         X, IDS, W_, DOUT = (torch.cat([e[i] for e in every]) for i in range(4))
         ref = moe_reference_backward(DOUT, X, IDS, W_, wg, wu, wd)
@@ -192,14 +192,17 @@ def main():
         ok = not nan and same and all(e < TOL for e in errs.values())
         failures += not ok
         worst = max(errs, key=errs.get)
+        name += " (recompute)" if recompute else ""
         print(f"rank {rank} {name:28s} T={Ts[rank]:<5d} {kind:8s} worst {worst} {errs[worst]:.2e} nan={nan or '-'} "
               f"runs={runs} same_bits={same} {time.time() - t0:.1f}s {'ok' if ok else 'FAIL'}", flush=True)
 
     for T in (int(t) for t in a.grad_tokens.split(",") if t):
         for kind in ("uniform", "skewed"):
-            grad_case("backward golden", [T] * world, kind)
+            for recompute in (False, True):
+                grad_case("backward golden", [T] * world, kind, recompute=recompute)
     grad_case("backward uneven", [513 if r == 0 else 7 for r in range(world)], "uniform")
     grad_case("backward one rank empty", [0 if r == world - 1 else 300 for r in range(world)], "skewed")
+    grad_case("backward one rank empty", [0 if r == world - 1 else 300 for r in range(world)], "skewed", recompute=True)
     grad_case("backward 20 runs, same bits", [min(1024, cap)] * world, "skewed", runs=20)
     find_variant(E, K, H, I, S, world_size=world).poison = False
 

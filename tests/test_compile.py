@@ -146,7 +146,7 @@ def test_random_legal_specs_compile(tmp_path):
 EP_SPEC = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=512, world_size=2,
                   topology="nvlink")
 EXCHANGE = ("ep_publish", "ep_layout", "ep_send", "ep_wait_returns")  # (the overlapped Plan: gemm_down returns)
-EXCHANGE_BWD = ("ep_layout_bwd", "ep_send_bwd", "ep_return_bwd")  # the backward's
+EXCHANGE_BWD = ("ep_layout_bwd", "ep_send_bwd", "ep_send_bwd_grad", "ep_send_bwd_x", "ep_return_bwd")  # the backward's
 
 
 def check_exchange_ptx(build_dir: Path) -> None:
@@ -180,8 +180,9 @@ def test_expert_parallel_variant_compiles(tmp_path):
     path = build(EP_SPEC, tmp_path, log=lambda m: None)
     syms = subprocess.run(["nm", "-D", "--defined-only", str(path / "build" / "libmokgen.so")], capture_output=True,
                           text=True).stdout
-    backward = ("bwd_recompute", "bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup", "wgrad_down", "wgrad_gate",
-                "wgrad_up", "bwd_combine", "bwd_shared_swiglu", "wgrad_shared_up")
+    backward = ("gemm_gateup_train", "shared_gateup_train", "bwd_recompute", "bwd_dgrad_down", "bwd_swiglu",
+                "bwd_dgrad_gateup", "wgrad_down", "wgrad_gate", "wgrad_up", "bwd_combine", "bwd_shared_swiglu",
+                "wgrad_shared_up")
     for k in EXCHANGE + EXCHANGE_BWD + ("gemm_gateup", "gemm_down", "shared_gateup", "combine") + backward:
         assert f"mokgen_{k}_launch" in syms, k
     check_exchange_ptx(path / "build")

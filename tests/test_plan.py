@@ -81,7 +81,7 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
     assert "ep_wait_rows" in serial.steps["forward"] and not serial.side_stream
     assert "ep_return" in serial.steps["forward"] and not serial.kernel("gemm_down").params.get("ep_return")
     assert not serial.kernel("gemm_gateup").params.get("ep_ready")
-    assert "backward" not in p.steps and "forward_fused" not in p.steps and "forward_train" not in p.steps
+    assert "forward_fused" not in p.steps
     mem = {b.name: b.memory for b in p.buffers}
     assert {n for n, m in mem.items() if m == "symmetric"} == {"ep_counts", "ep_flags", "ep_recv", "ep_ret", "ep_ready",
                                                                "ep_grad", "ep_recv_w", "ep_ret_w"}
@@ -106,17 +106,32 @@ def test_expert_parallel_backward_exchanges_again_and_runs_on_the_received_rows(
     # the send runs beside the recompute GEMM, which waits per M tile for its rows; the return
     # beside the weight gradients, each on the SMs the cost model gives it
     assert "ep_wait_rows" not in bwd and bwd.index("bwd_recompute") < bwd.index("ep_return_bwd") < bwd.index("wgrad_down")
-    assert {"ep_send_bwd", "ep_return_bwd"} <= set(p.side_stream)
+    assert {"ep_send_bwd", "ep_send_bwd_grad", "ep_send_bwd_x", "ep_return_bwd"} <= set(p.side_stream)
     send, ret = p.kernel("ep_send_bwd").params["comm_ctas"], p.kernel("ep_return_bwd").params["return_ctas"]
     assert p.kernel("bwd_recompute").params["ep_ready"] and p.kernel("bwd_recompute").params["sms"] == 132 - send
     assert all(p.kernel(w).params["sms"] == 132 - ret for w in ("wgrad_down", "wgrad_gate", "wgrad_up"))
-    assert any(d.startswith(f"backward send: {send} SMs") and "cost model" in d for d in p.decisions)
+    assert any(d.startswith(f"backward send (recompute path): {send} SMs") and "cost model" in d for d in p.decisions)
     # ep_overlap: false runs each copy alone on every SM, the GEMMs after ep_wait_rows
     serial = make_plan(EP2, overrides={"ep_overlap": False})
     sb = serial.steps["backward_recompute"]
     assert sb.index("ep_send_bwd") < sb.index("ep_wait_rows") < sb.index("bwd_recompute") and not serial.side_stream
     assert serial.kernel("ep_send_bwd").params["comm_ctas"] == 132 and not serial.kernel("bwd_recompute").params.get("ep_ready")
     assert make_plan(EP2, overrides={"bwd_send_sms": 40}).kernel("ep_send_bwd").params["comm_ctas"] == 40
+    # the saved path: the training forward stores the SwiGLU inputs (received rows by TMA, waiting
+    # per M tile like gate/up); its backward sends the dout rows and weights first, beside dgrad
+    # of down (which waits per M tile), then the x rows, which only the gate/up weight
+    # gradients wait for
+    train = p.kernel("gemm_gateup_train")
+    assert p.steps["forward_train"][p.steps["forward"].index("gemm_gateup")] == "gemm_gateup_train"
+    assert train.params["ep_ready"] and not train.params["gather_a"] and train.args[0].tensor == "ep_recv"
+    bs = p.steps["backward"]
+    assert "bwd_recompute" not in bs and bs.index("ep_send_bwd_grad") < bs.index("ep_send_bwd_x") < bs.index("bwd_dgrad_down")
+    assert bs.index("wgrad_down") < bs.index("ep_wait_rows") < bs.index("wgrad_gate")
+    assert p.kernel("bwd_dgrad_down").params["ep_ready"]
+    grad, xs = p.kernel("ep_send_bwd_grad"), p.kernel("ep_send_bwd_x")
+    assert [a.tensor for a in grad.args[:3]] == ["dout", "pos", "topk_weights"] and not grad.params["signal_rows"]
+    assert xs.args[0].tensor == "x" and not xs.params["count_ready"] and xs.params["signal_rows"]
+    assert grad.module == "ep_bwd_grad" and xs.module == "ep_bwd_x"
     # more rows in flight per SM for the backward's copies (measured); comm_threads sets both
     assert p.kernel("ep_send_bwd").block == 512 and p.kernel("ep_send").block == 256
     assert make_plan(EP2, overrides={"comm_threads": 1024}).kernel("ep_return_bwd").block == 1024

@@ -121,16 +121,18 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     make the same calls in the same order (a rank that does not take part is reported as a
     KernelTimeout on the others, never a hang). The group's peer workspace is made by the
     first call, for max_tokens tokens per rank (default: the largest T of that first call
-    over the group). Differentiable too: the backward saves the inputs only and exchanges
-    again; it is collective as well (every rank runs the backward of every layer it ran, so
-    the layer's output must reach every rank's loss). recompute does not apply.
+    over the group). Differentiable too: autograd saves the inputs and the SwiGLU inputs in
+    the receive layout (2 x rows x I bf16, rows bounded by the workspace capacity times the
+    group size), or with recompute=True the inputs only; the backward exchanges again and is
+    collective as well (every rank runs the backward of every layer it ran, so the layer's
+    output must reach every rank's loss).
     """
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
     E, K, H, I, S = check_moe_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
     if group is not None:
         return _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                                    (E, K, H, I, S), check_ids, group, max_tokens)
+                                    (E, K, H, I, S), check_ids, group, max_tokens, recompute)
     v = _variant_for(E, K, H, I, S)
     if check_ids:
         check_ids_in_range(topk_ids, E, x)
@@ -157,7 +159,7 @@ def _variant_for(E, K, H, I, S, world_size: int = 1) -> Variant:
 
 
 def _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, sizes,
-                         check_ids, group, max_tokens):
+                         check_ids, group, max_tokens, recompute=False):
     import torch.distributed as dist
 
     from .peers import workspace
@@ -174,29 +176,37 @@ def _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gat
     if _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
         if not v.has_backward:
             raise NotImplementedError(f"{v.name}: the backward is not generated for this layer ({v.why_no_backward()})")
-        peers.prepare(v, "backward_recompute")  # collective, here where every rank takes part
-        return _ExpertParallelMoE.apply(v, peers, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up,
-                                        ws_down)
+        saved = not recompute and "backward" in v.plan["steps"]
+        peers.prepare(v, "backward" if saved else "backward_recompute")  # collective: every rank is here
+        return _ExpertParallelMoE.apply(v, peers, saved, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate,
+                                        ws_up, ws_down)
     return v.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, peers=peers)
 
 
 class _ExpertParallelMoE(torch.autograd.Function):
-    """The expert-parallel layer under autograd. It saves the inputs only: the backward is
-    collective (every rank of the group runs it, for every layer, in the same order) and
-    exchanges the pairs' rows again (Variant.backward with the peer workspace)."""
+    """The expert-parallel layer under autograd. It saves the inputs and (saved) the SwiGLU
+    inputs in the receive layout (Variant.forward_train), or the inputs only (recompute). The
+    backward is collective (every rank of the group runs it, for every layer, in the same
+    order) and exchanges the pairs' rows again (Variant.backward with the peer workspace)."""
 
     @staticmethod
-    def forward(ctx, v, peers, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
-        ctx.variant, ctx.peers = v, peers
-        ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        return v.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, peers=peers)
+    def forward(ctx, v, peers, saved, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+        ctx.variant, ctx.peers, ctx.n_saved = v, peers, 0
+        inputs = (x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        if not saved:
+            ctx.save_for_backward(*inputs)
+            return v.forward(*inputs, peers=peers)
+        out, *swiglu_inputs = v.forward_train(*inputs, peers=peers)
+        ctx.n_saved = len(swiglu_inputs)
+        ctx.save_for_backward(*inputs, *swiglu_inputs)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, ids, w, wg, wu, wd, sg, su, sd = ctx.saved_tensors
+        x, ids, w, wg, wu, wd, sg, su, sd, *saved = ctx.saved_tensors
         dx, dw, dg, du, dd, dsg, dsu, dsd = ctx.variant.backward(dout.contiguous(), x, ids, w, wg, wu, wd, sg, su, sd,
-                                                                  peers=ctx.peers)
-        return None, None, dx, None, dw, dg, du, dd, dsg, dsu, dsd
+                                                                  saved=saved or None, peers=ctx.peers)
+        return None, None, None, dx, None, dw, dg, du, dd, dsg, dsu, dsd
 
 
 def release_peer_workspaces() -> None:

@@ -21,7 +21,7 @@ from ..ir import MoESpec
 from ..ir.graph import C as C_SYM
 from ..ir.graph import T as T_SYM
 from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS
-from ..schedule.plan import BAD_IDS_CODE, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
+from ..schedule.plan import BAD_IDS_CODE, EP_SAVED_FOR_BACKWARD, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
 from .checks import InputError
 from .library import Launcher, open_library
 
@@ -133,12 +133,16 @@ class Variant:
         """The workspace buffers an entry point's kernels use (only those are allocated)."""
         return frozenset(a["tensor"] for name in self.plan["steps"][entry] for a in self.kernels[name]["args"])
 
-    # Buffers the caller binds itself in some entry points (what the training forward saved).
-    CALLER_BOUND = {"backward": SAVED_FOR_BACKWARD}
+    @property
+    def saved_names(self) -> tuple:
+        """What the training forward saves for the backward: SAVED_FOR_BACKWARD; an expert-parallel
+        variant saves the SwiGLU inputs only (its backward lays out the rows again)."""
+        return EP_SAVED_FOR_BACKWARD if self.expert_parallel else SAVED_FOR_BACKWARD
 
     def _workspace(self, tokens: int, device, entry: str, capacity: int = 0) -> dict:
         ws = {}
-        used = self.entry_buffers(entry).difference(self.CALLER_BOUND.get(entry, ()))
+        # the backward's saved tensors are the caller's (what the training forward returned)
+        used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ())
         zeroed = self.plan.get("zeroed", {}).get(entry, ())
         for name, dt, shape, init in self.buffer_shapes(tokens, capacity):
             if name not in used:
@@ -253,24 +257,28 @@ class Variant:
     def has_backward(self) -> bool:
         return "backward" in self.plan["steps"] or "backward_recompute" in self.plan["steps"]
 
-    def forward_train(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
-        """(out, *saved): the forward of autograd. saved (SAVED_FOR_BACKWARD) is what the
-        backward needs besides the inputs: the SwiGLU inputs ga = x @ w_gate^T and gb = x @
-        w_up^T in dispatch's row order, the shared expert's sa, sb (empty without one), and
+    def forward_train(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
+                      peers=None):
+        """(out, *saved): the forward of autograd. saved (saved_names) is what the backward
+        needs besides the inputs: the SwiGLU inputs ga = x @ w_gate^T and gb = x @ w_up^T in
+        dispatch's row order (expert parallel: in the receive layout, rows bounded by the peer
+        workspace's capacity), the shared expert's sa, sb (empty without one), and (one GPU)
         dispatch's tables pos, row_token, tile_expert, counts."""
         tokens = x.shape[0]
         out = torch.empty_like(x)
         with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device, "forward_train")
+            env = self._workspace(tokens, x.device, "forward_train", peers.capacity if peers is not None else 0)
             # (A missing shared expert's entries are empty tensors, each its own: outputs of a
             # custom op may not alias one another.)
-            saved = tuple(env[n] if n in env else x.new_empty(0) for n in SAVED_FOR_BACKWARD)
-            if tokens == 0:
+            saved = tuple(env[n] if n in env else x.new_empty(0) for n in self.saved_names)
+            if tokens == 0 and not self.expert_parallel:  # (a rank without tokens still serves its peers)
                 return (out,) + saved
             self._check_status(wait=False)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
                        out=out, ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
-            self.run("forward_train", env, x.device)
+            if peers is not None:
+                env.update(peers.buffers)
+            self.run("forward_train", env, x.device, skip=self._token_grids if tokens == 0 else ())
             self._record_status(env)
         return (out,) + saved
 
@@ -307,8 +315,8 @@ class Variant:
             dx, d_weights = torch.empty_like(x), torch.zeros_like(topk_weights, dtype=torch.float32)
             d_w = [torch.empty_like(w) for w in weights]
         grads = [dx, d_weights, *d_w] + [None] * (8 - 2 - len(d_w))
-        if self.expert_parallel and (peers is None or saved is not None):
-            raise InputError(f"{self.name} is expert parallel: its backward takes the peer workspace, no saved tensors")
+        if self.expert_parallel and peers is None:
+            raise InputError(f"{self.name} is expert parallel: its backward takes the peer workspace")
         if tokens == 0 and not self.expert_parallel:  # (a rank without tokens still serves its peers)
             for d in d_w:
                 d.zero_()
@@ -325,7 +333,7 @@ class Variant:
                        ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down, dout=dout, dx=dx, d_topk_weights=d_weights)
             env.update(zip(("d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"), d_w))
             if saved is not None:
-                env.update(zip(SAVED_FOR_BACKWARD, saved))
+                env.update(zip(self.saved_names, saved))
             if peers is not None:
                 env.update(peers.buffers)
             skip = ()

@@ -193,11 +193,15 @@ def return_in_gemm(down: KernelPlan, spec: MoESpec, target: Target, overrides: d
 
 
 def backward_comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> dict:
-    """{"send": (n, why), "return": (n, why)}: the backward's send (x and dout rows) beside the
-    recompute GEMM, its return (input-gradient rows) beside the three weight-gradient GEMMs."""
+    """The backward's copies beside GEMMs, (n, why) each: "send" (x and dout rows, recompute
+    path) beside the recompute GEMM; "send_grad" (dout rows) beside dgrad of down and
+    "send_x" (x rows) beside dgrad of gate/up (saved path); "return" (input-gradient rows)
+    beside the three weight-gradient GEMMs. "forward_send": the forward's (comm_ctas)."""
     K, H, I = spec.topk, spec.hidden, spec.intermediate
-    out = {}
+    out = {"forward_send": comm_ctas(spec, target, overrides)[0]}
     for key, rows, flops, tail in (("send", 2, 2 * K * H * 2 * I, 1 / spec.local_experts),
+                                   ("send_grad", 1, 2 * K * H * I, 1 / spec.local_experts),
+                                   ("send_x", 1, 2 * K * H * 2 * I, 0.0),
                                    ("return", 1, 3 * 2 * K * H * I, 0.0)):
         n = _sms_override(overrides, f"bwd_{key}_sms", target)
         out[key] = (n, f"set by override bwd_{key}_sms") if n is not None else \
@@ -297,38 +301,69 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
     return kernels, decisions, queues, ctas
 
 
+# What a backward send moves (Plan module, rows as (tensor, region), weights, whether it counts
+# each expert's rows for the ready flags, whether it raises the rows flag):
+#   all:  the recompute path's one send: x and dout rows and the weights;
+#   grad: the saved path's first send, dout rows and weights, which dgrad_down waits for per M tile;
+#   x:    its second, the x rows, which only the weight gradients need (after ep_wait_rows).
+BACKWARD_SENDS = {
+    "all": ("ep_bwd", [["x", "ep_recv"], ["dout", "ep_grad"]], True, True, True),
+    "grad": ("ep_bwd_grad", [["dout", "ep_grad"]], True, True, False),
+    "x": ("ep_bwd_x", [["x", "ep_recv"]], False, False, True),
+}
+
+
 def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
                      wait_timeout_ns: int, ctas: int, backward: bool = False,
                      return_ctas: int | None = None, threads: int = EP_THREADS,
-                     down_ready: bool = False) -> list[KernelPlan]:
+                     down_ready: bool = False, send: str = "all") -> list[KernelPlan]:
     """The exchange kernels (templates/ep_exchange.py.j2), of the forward or of the backward.
     The backward's (module ep_bwd: layout, send and return, named *_bwd) also move each row's
     output gradient and routing weight to the expert's rank, zero the received padding rows,
     and return each row's d_topk_weights entry; it takes publish and the waits from the
-    forward's module."""
+    forward's module. send (backward only, BACKWARD_SENDS): "grad" or "x" give that send
+    kernel alone (ep_send_bwd_grad, ep_send_bwd_x), in a module of its own."""
     W, E, El, K, H = spec.world_size, spec.experts, spec.local_experts, spec.topk, spec.hidden
     sent = KernelArg("sent", "sent", "i32", [E])
     wait_threads = 32 * -(-W // 32)
+    module, send_rows, send_weights, count_ready, signal_rows = BACKWARD_SENDS[send] if backward else \
+        ("ep", [["x", "ep_recv"]], False, True, True)
     params = dict(world=W, experts=E, local_experts=El, topk=K, hidden=H, tile_m=row_tile, threads=threads,
                   comm_ctas=ctas, return_ctas=return_ctas or target.sms, wait_threads=wait_threads, vec=8, status_slot=status_slot,
                   wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, regions=list(REGIONS),
                   flag_kinds=list(FLAG_KINDS), state=list(STATE), bwd=backward,
-                  zero_padding=["ep_recv", "ep_grad"] if backward else [], down_ready=down_ready)
+                  zero_padding=["ep_recv", "ep_grad"] if backward else [], down_ready=down_ready,
+                  send_rows=send_rows, send_weights=send_weights, count_ready=count_ready, signal_rows=signal_rows)
     peers = KernelArg("peers", "ep_peers", "i64", [len(REGIONS), W])
     state = KernelArg("state", "ep_state", "i32", [len(STATE)])
     flags = KernelArg("flags", "ep_flags", "i32", [len(FLAG_KINDS), W])
     counters = KernelArg("tile_counters", "tile_counters", "i32", [n_counters])
     recv_off = KernelArg("recv_off", "recv_off", "i32", [El, W + 1])
     src_start = KernelArg("src_start", "src_start", "i32", [W, El])
-    suffix = "_bwd" if backward else ""
+    suffix = ("_bwd" if send == "all" else f"_bwd_{send}") if backward else ""
 
     def k(name, entry, args, grid, block, roles):
         stage = "send_peers" if entry in ("publish", "layout", "send", "wait_rows") else "return"
-        return KernelPlan(name + suffix, stage, "ep_bwd" if backward else "ep", "ep_exchange.py.j2", entry, params,
+        return KernelPlan(name + suffix, stage, module, "ep_exchange.py.j2", entry, params,
                           args, grid=grid, block=block, warp_roles=roles)
 
-    grad_args = [KernelArg("dout", "dout", "bf16", ["T", H]), KernelArg("pos", "pos", "i32", ["T", K]),
-                 KernelArg("weights", "topk_weights", "f32", ["T", K])] if backward else []
+    row_args = [KernelArg(src, src, "bf16", ["T", H]) for src, _ in send_rows]
+    if send_weights:
+        row_args += [KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("weights", "topk_weights", "f32", ["T", K])]
+    moved = " and ".join(f"the {src} rows into {region}" for src, region in send_rows) + (
+        ", the weights into ep_recv_w" if send_weights else "")
+    send_kernel = k("ep_send", "send",
+                    row_args + [KernelArg("send_token", "send_token", "i32", ["R"]),
+                                KernelArg("send_expert", "send_expert", "i32", ["R"]),
+                                KernelArg("send_shift", "send_shift", "i32", [E]),
+                                KernelArg("counts", "counts", "i32", [E]), sent, peers, state, counters],
+                    f"({ctas},)", threads,
+                    [f"every warp: blocks of 32 rows, 16 B per lane: {moved}, on the owners"
+                     + ("; per block a fence (system scope) and per-expert counts; the add that completes an expert "
+                        "raises its ready flag on the owner" if count_ready else "")
+                     + ("; the last CTA raises each owner's rows flag" if signal_rows else "")])
+    if backward and send != "all":
+        return [send_kernel]
     kernels = [
         k("ep_layout", "layout",
           [KernelArg("ep_counts", "ep_counts", "i32", [2, W, E]), flags, state, counters,
@@ -340,16 +375,7 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
           ["all warps: wait for every rank's counts, then for global expert e: where this rank's rows of e land "
            "on e's owner; the owner's CTAs also write the receive layout (tile table, valid rows, segments)"
            + ("; and zero the padding rows of ep_recv and ep_grad" if backward else "")]),
-        k("ep_send", "send",
-          [KernelArg("x", "x", "bf16", ["T", H])] + grad_args +
-          [KernelArg("send_token", "send_token", "i32", ["R"]),
-           KernelArg("send_expert", "send_expert", "i32", ["R"]), KernelArg("send_shift", "send_shift", "i32", [E]),
-           KernelArg("counts", "counts", "i32", [E]), sent, peers, state, counters],
-          f"({ctas},)", threads,
-          ["every warp: blocks of 32 rows, 16 B per lane, stored into the owners' ep_recv"
-           + (" (and the dout rows into ep_grad, the weights into ep_recv_w)" if backward else "")
-           + "; per block a fence (system scope) and per-expert counts; the add that completes an expert raises "
-           "its ready flag on the owner; the last CTA raises each owner's rows flag"]),
+        send_kernel,
         k("ep_return", "return_rows",
           [KernelArg("y", "dxs" if backward else "y", "bf16", ["M", H])]
           + ([KernelArg("yw", "d_rows", "f32", ["M"])] if backward else [])

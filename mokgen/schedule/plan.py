@@ -538,16 +538,20 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if ep:  # the backward's exchange, its copies beside GEMMs unless ep_overlap is false
             split = expert_parallel.backward_comm_ctas(spec, target, overrides or {}) \
                 if expert_parallel.overlapped(overrides or {}) else None
+            common = (spec, target, row_tile, n_counters, status_slot,
+                      int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000)
+            threads = expert_parallel.comm_threads(overrides or {}, backward=True)
+            sends = {what: expert_parallel.exchange_kernels(*common, split[f"send_{what}"][0] if split else target.sms,
+                                                             backward=True, threads=threads, send=what)
+                     for what in ("grad", "x")}
             exchange = (expert_parallel.exchange_kernels(
-                spec, target, row_tile, n_counters, status_slot,
-                int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000,
-                split["send"][0] if split else target.sms, backward=True,
-                return_ctas=split["return"][0] if split else target.sms,
-                threads=expert_parallel.comm_threads(overrides or {}, backward=True)), split)
+                *common, split["send"][0] if split else target.sms, backward=True,
+                return_ctas=split["return"][0] if split else target.sms, threads=threads)
+                + sends["grad"] + sends["x"], split, steps["forward"])
             buffers += expert_parallel.ep_backward_buffers(spec, row_tile)
         kernels += backward_kernels(gemm, spec, target, row_tile, buffers, steps, decisions, _expr(rows), exchange)
         if ep and exchange[1]:
-            side_stream += ["ep_send_bwd", "ep_return_bwd"]
+            side_stream += ["ep_send_bwd", "ep_send_bwd_grad", "ep_send_bwd_x", "ep_return_bwd"]
     profile = bool((overrides or {}).get("profile"))
     for k in kernels:  # every template reads the flag; only the forward's kernels record
         k.params = dict(k.params, profile=profile and k.name in forward)
@@ -719,7 +723,8 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 # debug_break_dependency makes the fused launch's down tiles wait for a count h_ready never
 # reaches (tests check that a broken dependency ends in a clear error, not a hang).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|profile|fuse_gemms"
-                           r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns"
+                           r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
+                           r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -770,6 +775,9 @@ def check_plan(plan: Plan, graph: Graph) -> None:
 # What the training forward hands to autograd for the backward: the SwiGLU inputs (routed,
 # shared) and dispatch's tables.
 SAVED_FOR_BACKWARD = ("ga", "gb", "sa", "sb", "pos", "row_token", "tile_expert", "counts")
+# An expert-parallel training forward saves the SwiGLU inputs only: its receive layout lives in
+# the peer workspace, which later layers reuse, so the backward lays the rows out again.
+EP_SAVED_FOR_BACKWARD = ("ga", "gb", "sa", "sb")
 # The backward's grouped GEMMs, in launch order (each has a tile-counter slot).
 BACKWARD_GEMMS = ["gemm_gateup_train", "bwd_recompute", "bwd_dgrad_down", "bwd_dgrad_gateup", "wgrad_down",
                   "wgrad_gate", "wgrad_up"]
@@ -793,9 +801,10 @@ def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, 
     if paths == "fused":
         return False, "backward: not with fuse_gemms: true (the training forward runs the per-GEMM path)"
     if spec.world_size > 1:
-        return True, ("backward: generated (expert parallel); autograd saves the forward's inputs only: the backward "
-                      "exchanges again (each pair's x row, dout row and weight go to the expert's rank), recomputes "
-                      "the SwiGLU inputs there, and returns each pair's input gradient and d_topk_weights entry")
+        return True, ("backward: generated (expert parallel); autograd saves the inputs and the SwiGLU inputs in "
+                      "the receive layout (2 x rows x I bf16, rows bounded by the workspace capacity), or with "
+                      "recompute the inputs only; the backward exchanges again (each pair's dout row, weight and x "
+                      "row go to the expert's rank) and returns each pair's input gradient and d_topk_weights entry")
     return True, ("backward: generated; autograd saves the forward's inputs and the SwiGLU inputs (x @ w_gate^T, "
                   "x @ w_up^T in dispatch order), or, with recompute, the inputs only (dispatch runs again either "
                   "way, and the SwiGLU inputs are then recomputed by one gate/up GEMM)")
@@ -823,10 +832,10 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
         buffers.append(Buffer("d_rows", "f32", [rows]))  # each received row's d_topk_weights entry
     # the routed kernels' x and dout rows: gathered from the tokens, or (expert parallel) received
     x_rows, dout_rows, gather = ("ep_recv", "ep_grad", False) if ep else ("x", "dout", True)
-    train = None if ep else gemm(
-        "gemm_gateup_train", "gemm_gateup", "x", ("w_gate", "w_up"), ("h", "ga", "gb"), I, H, "swiglu_save",
-        "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue, storing the SwiGLU inputs "
-        "too (the training forward).", gather_a=True)
+    train = gemm(
+        "gemm_gateup_train", "gemm_gateup", "ep_recv" if ep else "x", ("w_gate", "w_up"), ("h", "ga", "gb"), I, H,
+        "swiglu_save", "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue, storing the "
+        "SwiGLU inputs too (the training forward).", gather_a=not ep)
     ks = [
         gemm("bwd_recompute", "recompute", x_rows, ("w_gate", "w_up"), ("ga", "gb"), I, H, "pair",
              "tile_expert", "M", "MT", E, "Backward: the SwiGLU inputs recomputed, both products stored.",
@@ -850,7 +859,7 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
               ("wgrad_gate", "da", x_rows if ep else "xs", "d_w_gate", I, H, E, "M", counts, ""),
               ("wgrad_up", "db", x_rows if ep else "xs", "d_w_up", I, H, E, "M", counts, "")]
     if S:  # the shared expert: the same kernels with one group over all T tokens, nothing gathered
-        train_s = None if ep else gemm("shared_gateup_train", "shared_gateup", "x", ("ws_gate", "ws_up"), ("hs", "sa", "sb"), S, H,
+        train_s = gemm("shared_gateup_train", "shared_gateup", "x", ("ws_gate", "ws_up"), ("hs", "sa", "sb"), S, H,
                        "swiglu_save", "shared_tiles", "T", "ST", 1, "Shared expert gate/up projection storing the "
                        "SwiGLU inputs too (the training forward).", routed=False)
         buffers += [Buffer(n, "bf16", ["T", str(S)]) for n in ("sa", "sb", "gs", "das", "dbs", "hsb")]
@@ -881,7 +890,7 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
             k.params["all_rows"] = True
         ks.append(k)
     if ep:
-        return ep_backward_steps(ks, *exchange, spec, target, steps, decisions)
+        return ep_backward_steps([train] + ([train_s] if S else []) + ks, *exchange, spec, target, steps, decisions)
     steps["backward_recompute"] = ["dispatch_count", "dispatch_scatter"] + [k.name for k in ks]
     # With the training forward's saved tensors (SAVED_FOR_BACKWARD) the backward neither
     # dispatches again nor recomputes; its tile counters start at zero (the runtime zeroes them).
@@ -903,43 +912,64 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
     return [train] + ([train_s] if S else []) + ks
 
 
-def ep_backward_steps(ks: list, exchange: list, split: dict | None, spec: MoESpec, target: Target, steps: dict,
-                      decisions: list) -> list:
-    """steps["backward_recompute"] of an expert-parallel Plan: dispatch and publish the counts
-    again (a new epoch, the same layout); send each pair's x row, dout row and weight while the
-    shared expert's kernels and the recompute GEMM run (its producer waits per M tile for its
-    expert's rows, as the forward's gate/up does); then the routed kernels on the received
-    rows; the return of each row's input gradient and d_topk_weights entry beside the weight
-    gradients; the reverse combine. With split None (ep_overlap: false) each copy runs alone
-    on every SM."""
+def ep_backward_steps(ks: list, exchange: list, split: dict | None, forward: list, spec: MoESpec, target: Target,
+                      steps: dict, decisions: list) -> list:
+    """The expert-parallel training entry points. Both dispatch and publish the counts again (a
+    new epoch; the same counts give the same receive layout), run the routed kernels on the
+    received rows, return each row's input gradient and d_topk_weights entry beside the weight
+    gradients, and end with the reverse combine.
+
+    forward_train: the forward, its gate/up GEMM also storing the SwiGLU inputs (ga, gb, in the
+    receive layout, sized by the workspace capacity). backward (with them): the dout rows and
+    weights go out first, beside bwd_dgrad_down, which waits per M tile for them; the x rows
+    after them, beside the SwiGLU backward and bwd_dgrad_gateup; only the gate/up weight
+    gradients need them (ep_wait_rows). backward_recompute (inputs only): x rows, dout rows
+    and weights in one send beside bwd_recompute, which waits per M tile. With split None
+    (ep_overlap: false) each copy runs alone on every SM."""
     from . import expert_parallel
 
     by_name = {k.name: k for k in ks}
-    shared = [k.name for k in ks if "shared" in k.name]
-    routed = ["bwd_recompute", "bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup"]
+    shared = [k.name for k in ks if "shared" in k.name and not k.name.endswith("_train")]
+    shared_kept = [n for n in shared if not n.endswith("recompute")]
     wgrads = ["wgrad_down", "wgrad_gate", "wgrad_up"]
-    head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd", "ep_send_bwd"] + shared
+    tail = ["ep_return_bwd"] + wgrads + ["ep_wait_returns", "bwd_combine"]
+    head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout_bwd"]
+    steps["forward_train"] = [{"gemm_gateup": "gemm_gateup_train", "shared_gateup": "shared_gateup_train"}.get(n, n)
+                              for n in forward]
+    routed = ["bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup"]
     if split:
+        expert_parallel.overlap_gemm(by_name["gemm_gateup_train"], spec, target, split["forward_send"])
         expert_parallel.overlap_gemm(by_name["bwd_recompute"], spec, target, split["send"][0])
+        # dgrad_down waits per M tile for the dout rows; in the recompute path they are all
+        # there by then (bwd_recompute waited for the same flags), so the wait costs nothing
+        expert_parallel.overlap_gemm(by_name["bwd_dgrad_down"], spec, target, split["send_grad"][0])
         for name in wgrads:
             expert_parallel.leave_sms(by_name[name], target, split["return"][0])
-        steps["backward_recompute"] = head + routed + ["ep_return_bwd"] + wgrads + ["ep_wait_returns", "bwd_combine"]
-        decisions += [f"backward send: {split['send'][0]} SMs beside bwd_recompute (x and dout rows); {split['send'][1]}",
-                      f"backward return: {split['return'][0]} SMs beside the weight gradients; {split['return'][1]}"]
+        steps["backward_recompute"] = head + ["ep_send_bwd"] + shared + ["bwd_recompute"] + routed + tail
+        steps["backward"] = head + ["ep_send_bwd_grad", "ep_send_bwd_x"] + shared_kept + routed + \
+            ["ep_return_bwd", "wgrad_down", "ep_wait_rows", "wgrad_gate", "wgrad_up", "ep_wait_returns", "bwd_combine"]
+        decisions += [
+            f"backward send (saved path): {split['send_grad'][0]} SMs move the dout rows and weights beside "
+            f"bwd_dgrad_down; {split['send_grad'][1]}; then {split['send_x'][0]} SMs the x rows beside the SwiGLU "
+            f"backward and bwd_dgrad_gateup; {split['send_x'][1]}",
+            f"backward send (recompute path): {split['send'][0]} SMs beside bwd_recompute (x and dout rows); "
+            f"{split['send'][1]}",
+            f"backward return: {split['return'][0]} SMs beside the weight gradients; {split['return'][1]}"]
     else:
-        steps["backward_recompute"] = head + ["ep_wait_rows"] + routed + ["ep_return_bwd"] + wgrads + \
-            ["ep_wait_returns", "bwd_combine"]
+        steps["backward_recompute"] = head + ["ep_send_bwd"] + shared + ["ep_wait_rows", "bwd_recompute"] + routed \
+            + tail
+        steps["backward"] = head + ["ep_send_bwd"] + shared_kept + ["ep_wait_rows"] + routed + tail
     decisions.append(
-        "backward (expert parallel): dispatch and publish again (the same counts give the same receive layout); "
-        "ep_send_bwd stores each pair's x row into the expert's rank's ep_recv, its dout row into ep_grad and its "
-        "weight into ep_recv_w; there bwd_recompute (x rows by TMA, " + (
-            "waiting per M tile for its expert's rows" if split else "after ep_wait_rows") + ") and "
+        "backward (expert parallel): autograd's forward saves the SwiGLU inputs in the receive layout (ga, gb); the "
+        "backward dispatches and publishes again (the same counts, the same layout), stores each pair's dout row "
+        "into the expert's rank's ep_grad, its weight into ep_recv_w and its x row into ep_recv; there "
         "bwd_dgrad_down (dout rows by TMA), bwd_swiglu per received row (d_topk_weights entry into d_rows), "
         "bwd_dgrad_gateup; ep_return_bwd stores each row's input gradient into the source's ep_ret and its "
         "d_rows entry into ep_ret_w" + (" beside" if split else ", then") + " wgrad_*, which contract the received "
         "rows (padding rows zeroed by ep_layout_bwd); bwd_combine sums dx over k in order"
         + (" plus the shared expert's" if spec.shared_intermediate else "") + " and gathers d_topk_weights: every "
-        "gradient bitwise deterministic")
+        "gradient bitwise deterministic. recompute=True saves the inputs only and recomputes ga, gb there "
+        "(bwd_recompute)")
     return exchange + ks
 
 
