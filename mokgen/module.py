@@ -159,7 +159,8 @@ class MoE(nn.Module):
 
         ws_gate, ws_up, ws_down = shared or (None, None, None)
         return moe(x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down, ws_gate=ws_gate,
-                   ws_up=ws_up, ws_down=ws_down, check_ids=False, group=self.group, max_tokens=self.max_tokens)
+                   ws_up=ws_up, ws_down=ws_down, check_ids=False, group=self.group, max_tokens=self.max_tokens,
+                   recompute=self.recompute)
 
     @torch.no_grad()
     def reset_parameters(self):
