@@ -64,3 +64,38 @@ def test_expert_parallel_module_holds_its_ranks_experts(monkeypatch):
     assert "expert parallel over 2 ranks (4 experts here)" in repr(m)
     with pytest.raises(SpecError):
         mokgen.MoE(256, 128, 7, 2, group=object(), reference=True)
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["saved", "recompute"])
+def test_expert_parallel_autograd_hands_the_backward_what_the_forward_saved(saved):
+    """The expert-parallel autograd function: the training forward's SwiGLU inputs (or none,
+    recompute) and the peer workspace reach the backward; its gradients reach the inputs."""
+    from mokgen.runtime import _ExpertParallelMoE
+
+    ga, gb = torch.randn(6, 3), torch.randn(6, 3)
+    calls = {}
+
+    class StandIn:
+        def forward(self, x, *rest, peers):
+            calls["forward"] = peers
+            return x * 2
+
+        def forward_train(self, x, *rest, peers):
+            calls["forward_train"] = peers
+            return x * 2, ga, gb, torch.empty(0), torch.empty(0)
+
+        def backward(self, dout, x, ids, w, wg, wu, wd, sg, su, sd, saved=None, peers=None):
+            calls["backward"] = (saved, peers)
+            return dout * 2, torch.ones_like(w), torch.ones_like(wg), torch.ones_like(wu), torch.ones_like(wd), \
+                None, None, None
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.rand(4, 2, requires_grad=True)
+    wg, wu, wd = (torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 3, 8, requires_grad=True),
+                  torch.randn(2, 8, 3, requires_grad=True))
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    out = _ExpertParallelMoE.apply(StandIn(), "the workspace", saved, x, ids, w, wg, wu, wd, None, None, None)
+    out.sum().backward()
+    assert ("forward_train" if saved else "forward") in calls and calls["backward"][1] == "the workspace"
+    kept = calls["backward"][0]
+    assert (kept is not None and torch.equal(kept[0], ga) and torch.equal(kept[1], gb)) if saved else kept is None
+    assert torch.equal(x.grad, torch.full_like(x, 2.0)) and torch.equal(wd.grad, torch.ones_like(wd))
