@@ -104,12 +104,12 @@ class MoE(nn.Module):
     module holds its rank's E/W experts (rank r: global experts r*E/W ...), the router and the
     shared expert are replicated (their gradients are each rank's own: average them across
     the group as for any replicated parameter). Every rank calls forward and backward of every
-    block together; max_tokens sizes the peer workspace (default: the first call's largest T).
+    block together; max_tokens and recv_rows size the peer workspace (mokgen.moe says how).
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int, shared_intermediate: int = 0,
                  renormalize: bool = False, device=None, reference: bool = False, recompute: bool = False,
-                 group=None, max_tokens: int | None = None):
+                 group=None, max_tokens: int | None = None, recv_rows: int | None = None):
         super().__init__()
         from .ir import MoESpec
 
@@ -124,7 +124,8 @@ class MoE(nn.Module):
                             topology="nvlink" if world > 1 else "single")
         self.reference = reference
         self.recompute = recompute  # save only the inputs; the backward recomputes the SwiGLU inputs
-        self.group, self.max_tokens = (group, max_tokens) if world > 1 else (None, None)
+        ep = world > 1
+        self.group, self.max_tokens, self.recv_rows = (group, max_tokens, recv_rows) if ep else (None, None, None)
         local = self.spec.local_experts
         bf16 = dict(device=device, dtype=torch.bfloat16)
         self.router = nn.Linear(hidden, experts, bias=False, device=device, dtype=torch.float32)
@@ -160,7 +161,7 @@ class MoE(nn.Module):
         ws_gate, ws_up, ws_down = shared or (None, None, None)
         return moe(x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down, ws_gate=ws_gate,
                    ws_up=ws_up, ws_down=ws_down, check_ids=False, group=self.group, max_tokens=self.max_tokens,
-                   recompute=self.recompute)
+                   recv_rows=self.recv_rows, recompute=self.recompute)
 
     @torch.no_grad()
     def reset_parameters(self):

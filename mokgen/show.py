@@ -23,7 +23,8 @@ def format_plan(plan: dict) -> str:
         "SM roles  " + ", ".join(f"{k}: {v}" for k, v in plan["sm_roles"].items()),
         f"queues    {len(plan['queues']) or 'none (one GPU)'}",
         *(f"          {q['name']}: {q['direction']}, {q['slots']} slots of {q['slot_bytes']} B (C = tokens per rank "
-          f"the peer workspace holds), order {q['order']}, announced by {q['flag']}" for q in plan["queues"]),
+          f"the peer workspace holds, RC = rows a rank receives per call at most), order {q['order']}, announced by "
+          f"{q['flag']}" for q in plan["queues"]),
         f"reduction {plan['reduction_order']}",
         "",
         "kernels (launch order: " + " -> ".join(plan["steps"]["forward"]) + "; route: "

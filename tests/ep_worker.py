@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import mokgen
 from mokgen.reference import dot_error_scales, expert_ffn, moe_reference, moe_reference_backward, rel_error
-from mokgen.runtime import KernelTimeout
+from mokgen.runtime import InputError, KernelTimeout
 from mokgen.runtime.peers import _WORKSPACES
 
 TOL = 1e-2
@@ -205,6 +205,36 @@ def main():
     grad_case("backward one rank empty", [0 if r == world - 1 else 300 for r in range(world)], "skewed", recompute=True)
     grad_case("backward 20 runs, same bits", [min(1024, cap)] * world, "skewed", runs=20)
     find_variant(E, K, H, I, S, world_size=world).poison = False
+
+    # A workspace that receives at most R rows per rank and call: a routing that fits is golden;
+    # one that would send more to one rank is dropped on every rank and reported, and the next
+    # call that fits is golden again (the workspace stays in step).
+    torch.cuda.synchronize()
+    dist.barrier()
+    mokgen.release_peer_workspaces()
+    T = 256
+    R = T * K // 2  # uniform routing needs about T*K rows per rank, padded per expert; skewed W*T*K on rank 0
+    for kind, want_error in (("uniform", False), ("skewed", True), ("uniform", False)):
+        x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+        ids, w = routing(T, E, K, kind, rank, world, gen)
+        with torch.no_grad():
+            out = mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, max_tokens=T, recv_rows=R, **shared)
+        try:
+            mokgen.check_errors()
+            raised = None
+        except InputError as e:
+            raised = e
+        ok = (raised is not None) == want_error
+        if not want_error and ok:
+            ref = moe_reference(x, ids, w, wg, wu, wd, *(shared[k] for k in ("ws_gate", "ws_up", "ws_down"))
+                                if S else ())
+            ok = rel_error(out, ref) < TOL
+        failures += not ok
+        print(f"rank {rank} {'receive bound ' + str(R) + ' rows':28s} T={T:<5d} {kind:8s} "
+              f"{'refused: ' + str(raised)[:80] + '...' if raised else 'golden'} {'ok' if ok else 'FAIL'}", flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    mokgen.release_peer_workspaces()
 
     if not a.no_timeout_case:
         # rank world-1 does not take part: the others raise KernelTimeout within the bound

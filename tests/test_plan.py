@@ -87,6 +87,10 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
                                                                "ep_grad", "ep_recv_w", "ep_ret_w"}
     assert mem["h"] == mem["y"] == mem["tile_expert"] == "persistent" and mem["pos"] == "call"
     assert mem["ep_ready"] == "symmetric"
+    # what a rank receives is bounded by the workspace's RC (default W*C*K), what it sends by C
+    shapes = {b.name: b.shape for b in p.buffers}
+    assert "RC" in shapes["ep_recv"][0] and "C" not in shapes["ep_recv"][0].replace("RC", "")
+    assert shapes["ep_ret"][0] == "8*C" and "RC" in shapes["ga"][0]
     # dispatch groups by global expert, one row per tile; the GEMMs see local experts
     assert p.kernel("dispatch_count").params["experts"] == 64 and p.kernel("dispatch_count").params["tile_m"] == 1
     assert p.kernel("gemm_gateup").params["groups"] == 32 and not p.kernel("gemm_gateup").params["gather_a"]

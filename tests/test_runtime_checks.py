@@ -66,3 +66,11 @@ def test_expert_parallel_call_checks_before_any_work():
                                  0)
     finally:
         dist.get_world_size = orig
+
+
+def test_a_receive_overflow_is_reported_as_the_callers_error():
+    from mokgen.runtime.variant import status_error
+    from mokgen.schedule.expert_parallel import EP_ERROR, OVERFLOW_KIND
+
+    e = status_error("v", 64, {}, EP_ERROR + OVERFLOW_KIND * 4096 + 1, 10_000)
+    assert isinstance(e, InputError) and "rank 1 would have received more" in str(e) and "recv_rows" in str(e)

@@ -17,6 +17,10 @@ T = sympy.Symbol("T", integer=True, nonnegative=True)
 # Expert parallelism: the tokens per rank a peer workspace holds (what a rank may receive
 # depends on every rank's T, so buffers that receive are sized from this bound, not from T).
 C = sympy.Symbol("C", integer=True, positive=True)
+# ... and the (token, expert) rows one rank may receive in a call: every rank's C*K pairs could
+# go to one rank (the default bound, which never overflows); a smaller bound saves memory and
+# a call that would exceed it is refused on the device.
+RC = sympy.Symbol("RC", integer=True, positive=True)
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,8 @@ _BY_SHAPE: dict[tuple, Variant] = {}
 
 
 def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
-        check_ids: bool = True, recompute: bool = False, group=None, max_tokens: int | None = None):
+        check_ids: bool = True, recompute: bool = False, group=None, max_tokens: int | None = None,
+        recv_rows: int | None = None):
     """out[t] = bf16(sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) + shared(x)[t]).
 
     Checks every input before any launch. check_ids also checks the values (ids in range, x
@@ -121,18 +122,20 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     make the same calls in the same order (a rank that does not take part is reported as a
     KernelTimeout on the others, never a hang). The group's peer workspace is made by the
     first call, for max_tokens tokens per rank (default: the largest T of that first call
-    over the group). Differentiable too: autograd saves the inputs and the SwiGLU inputs in
-    the receive layout (2 x rows x I bf16, rows bounded by the workspace capacity times the
-    group size), or with recompute=True the inputs only; the backward exchanges again and is
-    collective as well (every rank runs the backward of every layer it ran, so the layer's
-    output must reach every rank's loss).
+    over the group) and recv_rows (token, expert) rows received per rank and call (default:
+    group size x max_tokens x topk, which no routing exceeds; a smaller bound saves memory, and
+    a call whose routing would exceed it is dropped on every rank and reported as InputError).
+    Differentiable too: autograd saves the inputs and the SwiGLU inputs in the receive layout
+    (2 x rows x I bf16, rows bounded by recv_rows), or with recompute=True the inputs only; the
+    backward exchanges again and is collective as well (every rank runs the backward of every
+    layer it ran, so the layer's output must reach every rank's loss).
     """
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
     E, K, H, I, S = check_moe_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
     if group is not None:
         return _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                                    (E, K, H, I, S), check_ids, group, max_tokens, recompute)
+                                    (E, K, H, I, S), check_ids, group, max_tokens, recompute, recv_rows)
     v = _variant_for(E, K, H, I, S)
     if check_ids:
         check_ids_in_range(topk_ids, E, x)
@@ -159,20 +162,20 @@ def _variant_for(E, K, H, I, S, world_size: int = 1) -> Variant:
 
 
 def _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, sizes,
-                         check_ids, group, max_tokens, recompute=False):
+                         check_ids, group, max_tokens, recompute=False, recv_rows=None):
     import torch.distributed as dist
 
     from .peers import workspace
 
     E_local, K, H, I, S = sizes
     W = dist.get_world_size(group)
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                   or max_tokens < 1):
-        raise InputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    for name, value in (("max_tokens", max_tokens), ("recv_rows", recv_rows)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
     v = _variant_for(E_local * W, K, H, I, S, world_size=W)
     if check_ids:
         check_ids_in_range(topk_ids, E_local * W, x)
-    peers = workspace(v, group, x.shape[0], max_tokens)
+    peers = workspace(v, group, x.shape[0], max_tokens, recv_rows)
     if _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
         if not v.has_backward:
             raise NotImplementedError(f"{v.name}: the backward is not generated for this layer ({v.why_no_backward()})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sympy
 import torch
 
+from ..ir.graph import RC as RC_SYM
 from ..ir.graph import C as C_SYM
 from ..schedule.expert_parallel import BACKWARD_REGIONS, REGIONS, STATE
 from .checks import InputError
@@ -18,17 +19,20 @@ from .checks import InputError
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 
 
-def _shape(b: dict, capacity: int) -> tuple:
-    return tuple(int(sympy.sympify(s, locals={"C": C_SYM}).subs(C_SYM, capacity)) for s in b["shape"])
+def _shape(b: dict, capacity: int, recv_rows: int) -> tuple:
+    return tuple(int(sympy.sympify(s, locals={"C": C_SYM, "RC": RC_SYM}).subs({C_SYM: capacity, RC_SYM: recv_rows}))
+                 for s in b["shape"])
 
 
 class PeerWorkspace:
     """Buffers of one expert-parallel variant for one process group, sized for `capacity`
-    tokens per rank (what any rank may pass in one call). The forward's are made at once;
-    the backward's regions (BACKWARD_REGIONS) by the first backward call, so inference never
-    holds them."""
+    tokens per rank (what any rank may pass in one call) and `recv_rows` (token, expert) rows
+    received per rank and call (default world * capacity * topk: every rank's pairs could go
+    to one rank, so it never overflows; a call that would exceed a smaller bound is refused
+    on the device). The forward's buffers are made at once, the backward's regions
+    (BACKWARD_REGIONS) by the first call under autograd, so inference never holds them."""
 
-    def __init__(self, plan: dict, group, capacity: int, device: torch.device):
+    def __init__(self, plan: dict, group, capacity: int, device: torch.device, recv_rows: int | None = None):
         import torch.distributed as dist
 
         world = plan["spec"]["world_size"]
@@ -36,6 +40,7 @@ class PeerWorkspace:
             raise InputError(f"{plan['variant']} is built for {world} GPUs; the process group has "
                              f"{dist.get_world_size(group)}")
         self.group, self.capacity, self.device = group, capacity, device
+        self.recv_rows = recv_rows or world * capacity * plan["spec"]["topk"]
         self.rank = dist.get_rank(group)
         self.buffers: dict[str, torch.Tensor] = {}
         self._handles = []  # the symmetric allocations' handles, kept alive with the buffers
@@ -54,7 +59,7 @@ class PeerWorkspace:
         for name in names:
             b = self._plan[name]
             if b["memory"] == "symmetric":
-                t = symm_mem.empty(_shape(b, self.capacity), dtype=DTYPES[b["dtype"]], device=self.device)
+                t = symm_mem.empty(_shape(b, *self.sizes), dtype=DTYPES[b["dtype"]], device=self.device)
                 t.zero_()  # flags start below every epoch; the barrier below orders it before peers' stores
                 handle = symm_mem.rendezvous(t, self.group.group_name)
                 self.buffers[name] = t
@@ -62,10 +67,15 @@ class PeerWorkspace:
                 self.buffers["ep_peers"][REGIONS.index(name)].copy_(
                     torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64))
             else:
-                self.buffers[name] = torch.zeros(_shape(b, self.capacity), dtype=DTYPES[b["dtype"]],
+                self.buffers[name] = torch.zeros(_shape(b, *self.sizes), dtype=DTYPES[b["dtype"]],
                                                  device=self.device)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
+
+    @property
+    def sizes(self) -> tuple:
+        """(C, RC): the capacity in tokens per rank, the bound on rows received per rank."""
+        return self.capacity, self.recv_rows
 
     def missing(self, variant, entry: str) -> list:
         """The regions an entry point needs that do not exist yet."""
@@ -92,22 +102,26 @@ class PeerWorkspace:
 _WORKSPACES: dict = {}
 
 
-def workspace(variant, group, tokens: int, capacity: int | None) -> PeerWorkspace:
+def workspace(variant, group, tokens: int, capacity: int | None, recv_rows: int | None = None) -> PeerWorkspace:
     """The workspace of (variant, group, device); made on first use. Its capacity is
-    `capacity`, else the largest T any rank passes in that first call (agreed through one
-    all-reduce, once). A later call with more tokens than the capacity is refused: growing
-    would need every rank to take part at the same moment."""
+    `capacity`, else the largest T any rank passes in that first call, and its receive bound
+    `recv_rows` (default: never overflows), both agreed through one all-reduce, once. A later
+    call with more tokens than the capacity, or another recv_rows, is refused: growing would
+    need every rank to take part at the same moment."""
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device())
     key = (variant.name, group.group_name if hasattr(group, "group_name") else id(group), device)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        if capacity is None:
-            t = torch.tensor([tokens], dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            capacity = max(1, int(t.item()))
-        ws = _WORKSPACES[key] = PeerWorkspace(variant.plan, group, capacity, device)
+        t = torch.tensor([tokens if capacity is None else capacity, recv_rows or 0], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        capacity, agreed_rows = max(1, int(t[0].item())), int(t[1].item())
+        ws = _WORKSPACES[key] = PeerWorkspace(variant.plan, group, capacity, device, agreed_rows or None)
+    if recv_rows is not None and recv_rows != ws.recv_rows:
+        raise InputError(f"{variant.name}: the expert-parallel workspace receives at most {ws.recv_rows} rows per rank "
+                         f"and call, not recv_rows={recv_rows}; mokgen.release_peer_workspaces() (every rank) to make "
+                         "it again")
     if tokens > ws.capacity:
         raise InputError(f"{variant.name}: T={tokens} exceeds the expert-parallel workspace's capacity of "
                          f"{ws.capacity} tokens per rank; pass max_tokens >= {tokens} to the first call of this "

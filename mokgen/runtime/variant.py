@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from ..ir import MoESpec
+from ..ir.graph import RC as RC_SYM
 from ..ir.graph import C as C_SYM
 from ..ir.graph import T as T_SYM
-from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS
+from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS, OVERFLOW_KIND
 from ..schedule.plan import BAD_IDS_CODE, EP_SAVED_FOR_BACKWARD, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
 from .checks import InputError
 from .library import Launcher, open_library
@@ -59,6 +60,12 @@ def status_error(variant: str, experts: int, gemm_by_slot: dict, code: int, time
                           "the device; those pairs contributed nothing to that call's output)")
     if code >= EP_ERROR:
         kind, peer = divmod(code - EP_ERROR, 4096)
+        if kind == OVERFLOW_KIND:
+            return InputError(
+                f"{variant}: rank {peer} would have received more (token, expert) rows in one call than the peer "
+                "workspace holds (its recv_rows); every rank dropped that call, so its output (and gradients) are "
+                "invalid. Make the workspace with a larger recv_rows (mokgen.release_peer_workspaces() on every rank, "
+                "then mokgen.moe(..., recv_rows=...)), or route more evenly")
         what = FLAG_KINDS[kind] if kind < len(FLAG_KINDS) else f"message {kind}"
         return KernelTimeout(
             f"{variant}: rank {peer}'s {what} never arrived within the {timeout_ms} ms bound (error code {code}): "
@@ -92,7 +99,8 @@ class Variant:
         # (runtime/peers.py).
         self._buffer_fns = [
             (b["name"], DTYPES[b["dtype"]],
-             [sympy.lambdify((T_SYM, C_SYM), sympy.sympify(s, locals={"T": T_SYM, "C": C_SYM}), "math")
+             [sympy.lambdify((T_SYM, C_SYM, RC_SYM), sympy.sympify(s, locals={"T": T_SYM, "C": C_SYM, "RC": RC_SYM}),
+                             "math")
               for s in b["shape"]], b["init"])
             for b in self.plan["buffers"] if b.get("memory", "call") == "call"
         ]
@@ -120,8 +128,10 @@ class Variant:
 
     # ---- buffers ----------------------------------------------------------------
     @functools.lru_cache(maxsize=64)
-    def buffer_shapes(self, tokens: int, capacity: int = 0) -> tuple:
-        return tuple((name, dt, tuple(int(f(tokens, capacity)) for f in fns), init)
+    def buffer_shapes(self, tokens: int, sizes: tuple = (0, 0)) -> tuple:
+        """(name, dtype, shape, init) of the per-call buffers at T = tokens and (expert
+        parallel) the peer workspace's sizes (C, RC)."""
+        return tuple((name, dt, tuple(int(f(tokens, *sizes)) for f in fns), init)
                      for name, dt, fns, init in self._buffer_fns)
 
     # Debug aid for the golden tests: fill every uninitialised workspace buffer with
@@ -139,12 +149,12 @@ class Variant:
         variant saves the SwiGLU inputs only (its backward lays out the rows again)."""
         return EP_SAVED_FOR_BACKWARD if self.expert_parallel else SAVED_FOR_BACKWARD
 
-    def _workspace(self, tokens: int, device, entry: str, capacity: int = 0) -> dict:
+    def _workspace(self, tokens: int, device, entry: str, sizes: tuple = (0, 0)) -> dict:
         ws = {}
         # the backward's saved tensors are the caller's (what the training forward returned)
         used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ())
         zeroed = self.plan.get("zeroed", {}).get(entry, ())
-        for name, dt, shape, init in self.buffer_shapes(tokens, capacity):
+        for name, dt, shape, init in self.buffer_shapes(tokens, sizes):
             if name not in used:
                 continue
             if init == "zeros" or name in zeroed:
@@ -240,7 +250,7 @@ class Variant:
             entry = self.forward_entry(tokens)
             if peers is not None:
                 peers.prepare(self, entry)
-            env = self._workspace(tokens, x.device, entry, peers.capacity if peers is not None else 0)
+            env = self._workspace(tokens, x.device, entry, peers.sizes if peers is not None else (0, 0))
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up,
                        w_down=w_down, out=out)
             if ws_gate is not None:
@@ -267,7 +277,7 @@ class Variant:
         tokens = x.shape[0]
         out = torch.empty_like(x)
         with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device, "forward_train", peers.capacity if peers is not None else 0)
+            env = self._workspace(tokens, x.device, "forward_train", peers.sizes if peers is not None else (0, 0))
             # (A missing shared expert's entries are empty tensors, each its own: outputs of a
             # custom op may not alias one another.)
             saved = tuple(env[n] if n in env else x.new_empty(0) for n in self.saved_names)
@@ -328,7 +338,7 @@ class Variant:
                 raise InputError(f"{self.name}: the peer workspace has no backward regions yet; the forward makes "
                                  "them when it runs under autograd (mokgen.moe with tensors that require grad), or "
                                  f"call peers.prepare(variant, {entry!r}) on every rank together first")
-            env = self._workspace(tokens, x.device, entry, peers.capacity if peers is not None else 0)
+            env = self._workspace(tokens, x.device, entry, peers.sizes if peers is not None else (0, 0))
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
                        ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down, dout=dout, dx=dx, d_topk_weights=d_weights)
             env.update(zip(("d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"), d_w))

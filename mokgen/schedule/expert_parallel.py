@@ -43,7 +43,7 @@ from __future__ import annotations
 import sympy
 
 from ..ir import MoESpec
-from ..ir.graph import C, T
+from ..ir.graph import RC, C, T
 from .plan import Buffer, KernelArg, KernelPlan, PlanError, _expr
 from .target import Target
 
@@ -58,8 +58,10 @@ FLAG_KINDS = ("counts", "rows", "returns")
 # ep_state entries (per rank, on the device): the call's epoch, the send and return kernels'
 # finished-CTA counters, this rank's index in the group (set when the workspace is made).
 STATE = ("epoch", "sent", "returned", "rank")
-# Error code of an expert-parallel wait that timed out: EP_ERROR + kind * 4096 + peer rank.
+# Error code of an expert-parallel wait that timed out: EP_ERROR + kind * 4096 + peer rank;
+# kind OVERFLOW_KIND: that rank would have received more rows than the workspace holds.
 EP_ERROR = 1 << 20
+OVERFLOW_KIND = len(FLAG_KINDS)
 # Threads of the exchange kernels' CTAs, and the most ranks one wait kernel watches.
 EP_THREADS = 256
 # The backward's exchange kernels: 512 threads. Measured on 2 H200s (E64 K8 H2048 I1024, 8192
@@ -97,9 +99,9 @@ def check_ep_overrides(overrides: dict) -> None:
 
 
 def received_tiles(spec: MoESpec, row_tile: int):
-    """Bound on the receive layout's M tiles: every rank's C*K rows could come to one rank,
-    and each local expert's segment is padded to the row tile."""
-    return sympy.ceiling(spec.world_size * C * spec.topk / row_tile) + spec.local_experts
+    """Bound on the receive layout's M tiles: RC rows (the workspace's receive bound, at most
+    every rank's C*K), each local expert's segment padded to the row tile."""
+    return sympy.ceiling(RC / row_tile) + spec.local_experts
 
 
 def overlapped(overrides: dict) -> bool:
@@ -287,8 +289,9 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
         order,
         f"receive layout: by local expert, then source rank, then the source's send order, each expert padded to "
         f"{row_tile} rows: fixed by the counts alone, so the same routing always gives the same rows and bits",
-        f"peer workspace per rank for C tokens per rank: ep_recv {rows} x {H} bf16 (all ranks' rows could go to "
-        f"one), ep_ret {_expr(C * K)} x {H} bf16, h and y as ep_recv; made once per process group and reused",
+        f"peer workspace per rank for C tokens per rank and RC received rows (default W*C*K: all ranks' rows could "
+        f"go to one; a call over a smaller RC is dropped on every rank and reported): ep_recv {rows} x {H} bf16, "
+        f"ep_ret {_expr(C * K)} x {H} bf16, h and y as ep_recv; made once per process group and reused",
     ]
     queues = [
         dict(name="ep_recv", direction="to the expert's owner", slot_bytes=2 * H, slots=rows,
@@ -332,6 +335,7 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
                   comm_ctas=ctas, return_ctas=return_ctas or target.sms, wait_threads=wait_threads, vec=8, status_slot=status_slot,
                   wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, regions=list(REGIONS),
                   flag_kinds=list(FLAG_KINDS), state=list(STATE), bwd=backward,
+                  ep_overflow=EP_ERROR + OVERFLOW_KIND * 4096,
                   zero_padding=["ep_recv", "ep_grad"] if backward else [], down_ready=down_ready,
                   send_rows=send_rows, send_weights=send_weights, count_ready=count_ready, signal_rows=signal_rows)
     peers = KernelArg("peers", "ep_peers", "i64", [len(REGIONS), W])
