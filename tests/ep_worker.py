@@ -208,15 +208,27 @@ def main():
 
     # A workspace that receives at most R rows per rank and call: a routing that fits is golden;
     # one that would send more to one rank is dropped on every rank and reported, and the next
-    # call that fits is golden again (the workspace stays in step).
+    # call that fits is golden again (the workspace stays in step). Whether a call fits is
+    # worked out here from every rank's ids with the layout's own rule (each local expert's
+    # rows padded to the row tile, against RC rows plus a tile per local expert).
     torch.cuda.synchronize()
     dist.barrier()
     mokgen.release_peer_workspaces()
-    T = 256
-    R = T * K // 2  # uniform routing needs about T*K rows per rank, padded per expert; skewed W*T*K on rank 0
-    for kind, want_error in (("uniform", False), ("skewed", True), ("uniform", False)):
+    T, tile = 1024, find_variant(E, K, H, I, S, world_size=world).plan["row_tile"]
+    R = T * K  # uniform routing needs about T*K rows per rank; skewed sends every rank's T*K to rank 0
+
+    def overflows(ids):
+        every = [torch.empty_like(ids) for _ in range(world)]
+        dist.all_gather(every, ids)
+        counts = torch.bincount(torch.cat(every).reshape(-1).long(), minlength=E)
+        padded = ((counts + tile - 1) // tile * tile).view(world, El).sum(1)
+        return bool((padded > (-(-R // tile) + El) * tile).any().item())
+
+    refused_once = False
+    for kind in ("uniform", "skewed", "uniform"):
         x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
         ids, w = routing(T, E, K, kind, rank, world, gen)
+        want_error = overflows(ids)
         with torch.no_grad():
             out = mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, max_tokens=T, recv_rows=R, **shared)
         try:
@@ -229,9 +241,14 @@ def main():
             ref = moe_reference(x, ids, w, wg, wu, wd, *(shared[k] for k in ("ws_gate", "ws_up", "ws_down"))
                                 if S else ())
             ok = rel_error(out, ref) < TOL
+        refused_once |= raised is not None
         failures += not ok
         print(f"rank {rank} {'receive bound ' + str(R) + ' rows':28s} T={T:<5d} {kind:8s} "
-              f"{'refused: ' + str(raised)[:80] + '...' if raised else 'golden'} {'ok' if ok else 'FAIL'}", flush=True)
+              f"{'refused: ' + str(raised)[:70] + '...' if raised else 'golden'} (overflow expected: {want_error}) "
+              f"{'ok' if ok else 'FAIL'}", flush=True)
+    if not refused_once:
+        print(f"rank {rank} receive bound: no call overflowed, the refusal was not exercised FAIL", flush=True)
+        failures += 1
     torch.cuda.synchronize()
     dist.barrier()
     mokgen.release_peer_workspaces()
