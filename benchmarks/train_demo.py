@@ -126,7 +126,7 @@ def sync_gradients(model, group):
 def init_experts(model, group):
     """Rank r's experts are rows r*E/W ... of one global draw (the same on every rank)."""
     g = torch.Generator(device="cpu").manual_seed(7)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     for m in model.moes:
         for p, fan_in in ((m.w_gate, HIDDEN), (m.w_up, HIDDEN), (m.w_down, INTER)):
             full = torch.randn((EXPERTS,) + tuple(p.shape[1:]), generator=g) / fan_in ** 0.5
