@@ -194,13 +194,12 @@ class _ExpertParallelMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, peers, saved, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
-        ctx.variant, ctx.peers, ctx.n_saved = v, peers, 0
+        ctx.variant, ctx.peers = v, peers
         inputs = (x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
         if not saved:
             ctx.save_for_backward(*inputs)
             return v.forward(*inputs, peers=peers)
         out, *swiglu_inputs = v.forward_train(*inputs, peers=peers)
-        ctx.n_saved = len(swiglu_inputs)
         ctx.save_for_backward(*inputs, *swiglu_inputs)
         return out
 

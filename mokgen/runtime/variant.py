@@ -149,8 +149,11 @@ class Variant:
         variant saves the SwiGLU inputs only (its backward lays out the rows again)."""
         return EP_SAVED_FOR_BACKWARD if self.expert_parallel else SAVED_FOR_BACKWARD
 
-    def _workspace(self, tokens: int, device, entry: str, sizes: tuple = (0, 0)) -> dict:
+    def _workspace(self, tokens: int, device, entry: str, peers=None) -> dict:
+        """The entry's buffers: the per-call ones allocated at this T (expert parallel: and at
+        the peer workspace's sizes), then the peer workspace's own."""
         ws = {}
+        sizes = peers.sizes if peers is not None else (0, 0)
         # the backward's saved tensors are the caller's (what the training forward returned)
         used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ())
         zeroed = self.plan.get("zeroed", {}).get(entry, ())
@@ -163,6 +166,8 @@ class Variant:
                 ws[name] = torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=device)
             else:
                 ws[name] = torch.empty(shape, dtype=dt, device=device)
+        if peers is not None:
+            ws.update(peers.buffers)
         return ws
 
     def _check_status(self, wait: bool) -> None:
@@ -248,15 +253,11 @@ class Variant:
         self._check_status(wait=False)  # an error of an earlier, finished call surfaces here
         with torch.cuda.device(x.device):
             entry = self.forward_entry(tokens)
-            if peers is not None:
-                peers.prepare(self, entry)
-            env = self._workspace(tokens, x.device, entry, peers.sizes if peers is not None else (0, 0))
+            env = self._workspace(tokens, x.device, entry, peers)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up,
                        w_down=w_down, out=out)
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
-            if peers is not None:
-                env.update(peers.buffers)
             self.run(entry, env, x.device, skip=self._token_grids if tokens == 0 else ())
             self._record_status(env)
             if self.profiling:
@@ -272,12 +273,12 @@ class Variant:
         """(out, *saved): the forward of autograd. saved (saved_names) is what the backward
         needs besides the inputs: the SwiGLU inputs ga = x @ w_gate^T and gb = x @ w_up^T in
         dispatch's row order (expert parallel: in the receive layout, rows bounded by the peer
-        workspace's capacity), the shared expert's sa, sb (empty without one), and (one GPU)
+        workspace's receive bound recv_rows), the shared expert's sa, sb (empty without one), and (one GPU)
         dispatch's tables pos, row_token, tile_expert, counts."""
         tokens = x.shape[0]
         out = torch.empty_like(x)
         with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device, "forward_train", peers.sizes if peers is not None else (0, 0))
+            env = self._workspace(tokens, x.device, "forward_train", peers)
             # (A missing shared expert's entries are empty tensors, each its own: outputs of a
             # custom op may not alias one another.)
             saved = tuple(env[n] if n in env else x.new_empty(0) for n in self.saved_names)
@@ -286,8 +287,6 @@ class Variant:
             self._check_status(wait=False)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
                        out=out, ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
-            if peers is not None:
-                env.update(peers.buffers)
             self.run("forward_train", env, x.device, skip=self._token_grids if tokens == 0 else ())
             self._record_status(env)
         return (out,) + saved
@@ -306,10 +305,10 @@ class Variant:
                  saved=None, peers=None):
         """(dx, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down) for
         the output gradient dout (DESIGN.md section 1); the shared expert's are None without
-        one. saved: forward_train's saved tensors (a sequence in SAVED_FOR_BACKWARD order);
-        without them the backward dispatches again and recomputes the SwiGLU inputs. Pairs
-        whose id is out of range get d_topk_weights 0 and contribute nothing. peers: an
-        expert-parallel variant's PeerWorkspace (it has no saved tensors: it exchanges again)."""
+        one. saved: forward_train's saved tensors (a sequence in saved_names order); without
+        them the backward dispatches again and recomputes the SwiGLU inputs. Pairs whose id is
+        out of range get d_topk_weights 0 and contribute nothing. peers: an expert-parallel
+        variant's PeerWorkspace (its backward exchanges the rows again, with or without saved)."""
         if not self.has_backward:
             raise NotImplementedError(f"{self.name}: the backward is not generated for this layer "
                                       f"({self.why_no_backward()})")
@@ -338,14 +337,12 @@ class Variant:
                 raise InputError(f"{self.name}: the peer workspace has no backward regions yet; the forward makes "
                                  "them when it runs under autograd (mokgen.moe with tensors that require grad), or "
                                  f"call peers.prepare(variant, {entry!r}) on every rank together first")
-            env = self._workspace(tokens, x.device, entry, peers.sizes if peers is not None else (0, 0))
+            env = self._workspace(tokens, x.device, entry, peers)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
                        ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down, dout=dout, dx=dx, d_topk_weights=d_weights)
             env.update(zip(("d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"), d_w))
             if saved is not None:
                 env.update(zip(self.saved_names, saved))
-            if peers is not None:
-                env.update(peers.buffers)
             skip = ()
             if tokens == 0:  # an expert-parallel rank without tokens: its shared expert's gradients are zero
                 skip = self._token_grids | {n for n in self.plan["steps"][entry] if "shared" in n}

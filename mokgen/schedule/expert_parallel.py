@@ -44,7 +44,7 @@ import sympy
 
 from ..ir import MoESpec
 from ..ir.graph import RC, C, T
-from .plan import Buffer, KernelArg, KernelPlan, PlanError, _expr
+from .plan import VEC, Buffer, KernelArg, KernelPlan, PlanError, _expr
 from .target import Target
 
 # The symmetric regions (one symmetric allocation each); ep_peers[r, w] is region r's
@@ -164,6 +164,12 @@ def comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> tuple[int, str]
     return overlap_split(1000 * _per_token(spec, 1), 1000 * 2 * K * H * 2 * I, 1 / spec.local_experts, target)
 
 
+def peer_rows_params(spec: MoESpec) -> dict:
+    """What templates/ep_rows.py.j2 renders from: the peer-memory layout and the row width."""
+    return dict(world=spec.world_size, local_experts=spec.local_experts, hidden=spec.hidden, vec=VEC,
+                regions=list(REGIONS), flag_kinds=list(FLAG_KINDS), state=list(STATE))
+
+
 def return_ctas(spec: MoESpec, target: Target, overrides: dict) -> tuple[int, str]:
     """CTAs of the down GEMM's launch that return rows from the start (the others join once
     they have no tile left): the cost model, the return beside the down GEMM. `return_sms`
@@ -183,8 +189,7 @@ def return_in_gemm(down: KernelPlan, spec: MoESpec, target: Target, overrides: d
     n, why = return_ctas(spec, target, overrides)
     W = spec.world_size
     down.params = dict(down.params, ep_return=True, return_ctas=n, return_slot=slot, sms=target.sms,
-                       ep_rows=dict(world=W, local_experts=spec.local_experts, hidden=spec.hidden, vec=8,
-                                    regions=list(REGIONS), flag_kinds=list(FLAG_KINDS), state=list(STATE)))
+                       ep_rows=peer_rows_params(spec))
     down.args += [KernelArg("down_ready", "down_ready", "i32", ["MT"]),
                   KernelArg("recv_off", "recv_off", "i32", [spec.local_experts, W + 1]),
                   KernelArg("src_start", "src_start", "i32", [W, spec.local_experts]),
@@ -331,10 +336,9 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
     wait_threads = 32 * -(-W // 32)
     module, send_rows, send_weights, count_ready, signal_rows = BACKWARD_SENDS[send] if backward else \
         ("ep", [["x", "ep_recv"]], False, True, True)
-    params = dict(world=W, experts=E, local_experts=El, topk=K, hidden=H, tile_m=row_tile, threads=threads,
-                  comm_ctas=ctas, return_ctas=return_ctas or target.sms, wait_threads=wait_threads, vec=8, status_slot=status_slot,
-                  wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, regions=list(REGIONS),
-                  flag_kinds=list(FLAG_KINDS), state=list(STATE), bwd=backward,
+    params = dict(peer_rows_params(spec), experts=E, topk=K, tile_m=row_tile, threads=threads, comm_ctas=ctas,
+                  return_ctas=return_ctas or target.sms, wait_threads=wait_threads, status_slot=status_slot,
+                  wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, bwd=backward,
                   ep_overflow=EP_ERROR + OVERFLOW_KIND * 4096,
                   zero_padding=["ep_recv", "ep_grad"] if backward else [], down_ready=down_ready,
                   send_rows=send_rows, send_weights=send_weights, count_ready=count_ready, signal_rows=signal_rows)
