@@ -206,6 +206,47 @@ def main():
     grad_case("backward 20 runs, same bits", [min(1024, cap)] * world, "skewed", runs=20)
     find_variant(E, K, H, I, S, world_size=world).poison = False
 
+    # The absent-peer cases come first: they need a workspace every rank has already made,
+    # because making one is a host collective (an all-reduce and the symmetric-memory
+    # rendezvous) that a rank which never calls would hang in.
+    if not a.no_timeout_case:
+        # rank world-1 does not take part: the others raise KernelTimeout within the bound
+        x = torch.randn(64, H, device="cuda", generator=gen).bfloat16()
+        ids, w = routing(64, E, K, "uniform", rank, world, gen)
+        if rank != world - 1:
+            t0 = time.time()
+            try:
+                with torch.no_grad():
+                    mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, **shared)
+                mokgen.check_errors()
+                print(f"rank {rank} absent peer: no error raised FAIL", flush=True)
+                failures += 1
+            except KernelTimeout as e:
+                print(f"rank {rank} absent peer: KernelTimeout after {time.time() - t0:.1f}s ok ({str(e)[:90]}...)",
+                      flush=True)
+        torch.cuda.synchronize()
+        dist.barrier()  # nobody frees its workspace while a peer may still store into it
+        mokgen.release_peer_workspaces()
+        case("after a fresh workspace", 100, "uniform")
+        # the same in the backward: every rank runs the forward, rank world-1 skips the backward
+        x = torch.randn(64, H, device="cuda", generator=gen).bfloat16().requires_grad_(True)
+        ids, w = routing(64, E, K, "uniform", rank, world, gen)
+        out = mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, max_tokens=cap, **shared)
+        mokgen.check_errors()
+        if rank != world - 1:
+            t0 = time.time()
+            try:
+                out.backward(torch.ones_like(out))
+                mokgen.check_errors()
+                print(f"rank {rank} absent peer in the backward: no error raised FAIL", flush=True)
+                failures += 1
+            except KernelTimeout as e:
+                print(f"rank {rank} absent peer in the backward: KernelTimeout after {time.time() - t0:.1f}s ok "
+                      f"({str(e)[:90]}...)", flush=True)
+        torch.cuda.synchronize()
+        dist.barrier()
+        mokgen.release_peer_workspaces()
+        grad_case("backward after a fresh workspace", [100] * world, "uniform")
     # A workspace that receives at most R rows per rank and call: a routing that fits is golden;
     # one that would send more to one rank is dropped on every rank and reported, and the next
     # call that fits is golden again (the workspace stays in step). Whether a call fits is
@@ -253,44 +294,6 @@ def main():
     dist.barrier()
     mokgen.release_peer_workspaces()
 
-    if not a.no_timeout_case:
-        # rank world-1 does not take part: the others raise KernelTimeout within the bound
-        x = torch.randn(64, H, device="cuda", generator=gen).bfloat16()
-        ids, w = routing(64, E, K, "uniform", rank, world, gen)
-        if rank != world - 1:
-            t0 = time.time()
-            try:
-                with torch.no_grad():
-                    mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, **shared)
-                mokgen.check_errors()
-                print(f"rank {rank} absent peer: no error raised FAIL", flush=True)
-                failures += 1
-            except KernelTimeout as e:
-                print(f"rank {rank} absent peer: KernelTimeout after {time.time() - t0:.1f}s ok ({str(e)[:90]}...)",
-                      flush=True)
-        torch.cuda.synchronize()
-        dist.barrier()  # nobody frees its workspace while a peer may still store into it
-        mokgen.release_peer_workspaces()
-        case("after a fresh workspace", 100, "uniform")
-        # the same in the backward: every rank runs the forward, rank world-1 skips the backward
-        x = torch.randn(64, H, device="cuda", generator=gen).bfloat16().requires_grad_(True)
-        ids, w = routing(64, E, K, "uniform", rank, world, gen)
-        out = mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, max_tokens=cap, **shared)
-        mokgen.check_errors()
-        if rank != world - 1:
-            t0 = time.time()
-            try:
-                out.backward(torch.ones_like(out))
-                mokgen.check_errors()
-                print(f"rank {rank} absent peer in the backward: no error raised FAIL", flush=True)
-                failures += 1
-            except KernelTimeout as e:
-                print(f"rank {rank} absent peer in the backward: KernelTimeout after {time.time() - t0:.1f}s ok "
-                      f"({str(e)[:90]}...)", flush=True)
-        torch.cuda.synchronize()
-        dist.barrier()
-        mokgen.release_peer_workspaces()
-        grad_case("backward after a fresh workspace", [100] * world, "uniform")
     total = torch.tensor([failures], device="cuda")
     dist.all_reduce(total)
     if rank == 0:
