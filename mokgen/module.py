@@ -2,8 +2,9 @@
 whose expert part runs through the generated kernels, forward and backward.
 
 The router is an fp32 linear layer; softmax, top-k and the optional renormalisation run in
-PyTorch, so the router's weight gets its gradient through d_topk_weights (which the
-generated backward returns). `reference=True` builds the same block on plain PyTorch ops
+PyTorch, or with fused_routing=True in the generated route kernel and its generated backward
+(d_logits from d_topk_weights); either way the router's weight gets its gradient through
+d_topk_weights, which the generated backward returns. `reference=True` builds the same block on plain PyTorch ops
 (torch grouped_mm), for comparisons and for machines without a GPU build.
 """
 from __future__ import annotations
@@ -99,6 +100,7 @@ class MoE(nn.Module):
     Input [..., hidden] bf16, output the same shape. Parameters: router.weight [E, H] fp32,
     w_gate, w_up [E, I, H], w_down [E, H, I] bf16 (+ ws_gate, ws_up [S, H], ws_down [H, S]).
     Under autograd it saves the SwiGLU inputs (2 x ~T*K x I bf16, + 2 x T x S) unless recompute=True.
+    fused_routing=True routes with the generated route kernel (and its backward) instead of torch ops.
 
     Expert parallel (group: a process group of W ranks, one GPU each, linked by NVLink): the
     module holds its rank's E/W experts (rank r: global experts r*E/W ...), the router and the
@@ -109,7 +111,8 @@ class MoE(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int, shared_intermediate: int = 0,
                  renormalize: bool = False, device=None, reference: bool = False, recompute: bool = False,
-                 group=None, max_tokens: int | None = None, recv_rows: int | None = None):
+                 group=None, max_tokens: int | None = None, recv_rows: int | None = None,
+                 fused_routing: bool = False):
         super().__init__()
         from .ir import MoESpec
 
@@ -123,6 +126,7 @@ class MoE(nn.Module):
                             shared_intermediate=shared_intermediate, renormalize=renormalize, world_size=world,
                             topology="nvlink" if world > 1 else "single")
         self.reference = reference
+        self.fused_routing = fused_routing  # softmax / top-k in the generated route kernels
         self.recompute = recompute  # save only the inputs; the backward recomputes the SwiGLU inputs
         ep = world > 1
         self.group, self.max_tokens, self.recv_rows = (group, max_tokens, recv_rows) if ep else (None, None, None)
@@ -175,7 +179,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        ids, weights = route_torch(self.router(x2.float()), self.spec.topk, self.spec.renormalize)
+        logits = self.router(x2.float())
+        if self.fused_routing and not self.reference:
+            from .runtime import route
+
+            ids, weights = route(logits.contiguous(), self.spec.topk, renormalize=self.spec.renormalize)
+        else:
+            ids, weights = route_torch(logits, self.spec.topk, self.spec.renormalize)
         shared = (self.ws_gate, self.ws_up, self.ws_down) if self.ws_gate is not None else None
         if self.group is not None:
             out = self._forward_expert_parallel(x2, ids, weights, shared)

@@ -28,7 +28,9 @@ def format_plan(plan: dict) -> str:
         f"reduction {plan['reduction_order']}",
         "",
         "kernels (launch order: " + " -> ".join(plan["steps"]["forward"]) + "; route: "
-        + " -> ".join(plan["steps"]["route"]) + ")",
+        + " -> ".join(plan["steps"]["route"])
+        + ("; its backward: " + " -> ".join(plan["steps"]["route_backward"]) if "route_backward" in plan["steps"] else "")
+        + ")",
     ]
     if plan.get("side_stream"):
         out.append("          on a second stream, beside the kernels after them: " + ", ".join(plan["side_stream"]))

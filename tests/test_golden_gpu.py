@@ -127,6 +127,34 @@ def test_route_golden(shape, renormalize, gen):
     assert ((w.double() - ref_w).abs().max().item()) < 1e-5
 
 
+@pytest.mark.parametrize("T", [1, 1000])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: "e{}k{}".format(*s))
+def test_route_backward_golden(shape, renormalize, T, gen):
+    """mokgen.route is differentiable in its weights: d_logits (the generated route_backward)
+    against float64 autograd of softmax, the same picks and the renormalisation; same bits twice."""
+    import mokgen
+
+    E, K = shape[:2]
+    logits = torch.randn(T, E, device="cuda", generator=gen).requires_grad_(True)
+    d_w = torch.randn(T, K, device="cuda", generator=gen)
+    grads = []
+    for _ in range(2):
+        logits.grad = None
+        ids, w = mokgen.route(logits, K, renormalize=renormalize)
+        assert not ids.requires_grad and w.requires_grad
+        (w * d_w).sum().backward()
+        grads.append(logits.grad.clone())
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref_w = torch.softmax(ref_logits, dim=-1).gather(1, ids.long())
+    if renormalize:
+        ref_w = ref_w / ref_w.sum(1, keepdim=True)
+    (ref_w * d_w.double()).sum().backward()
+    ref = ref_logits.grad
+    assert (grads[0].double() - ref).abs().max().item() <= 1e-5 * max(ref.abs().max().item(), 1e-30) + 1e-7
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_bad_inputs_rejected_before_launch(gen):
     import mokgen
     from mokgen.runtime import InputError
@@ -484,15 +512,17 @@ def test_shared_expert_gradients_through_autograd(gen):
         assert torch.equal(saved, recomputed), name
 
 
-def test_moe_module_matches_torch_reference_module(gen):
+@pytest.mark.parametrize("fused_routing", [False, True], ids=["torch_routing", "fused_routing"])
+def test_moe_module_matches_torch_reference_module(fused_routing, gen):
     """mokgen.MoE against the same block on torch ops (same parameters): output and every
-    parameter's gradient, the router's included."""
+    parameter's gradient, the router's included (through the generated route and its
+    backward with fused_routing)."""
     import mokgen
     from mokgen.reference import rel_error
 
     E, K, H, I, _ = SHAPES[3]
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item()))
-    ours = mokgen.MoE(H, I, E, K, renormalize=True, device="cuda")
+    ours = mokgen.MoE(H, I, E, K, renormalize=True, device="cuda", fused_routing=fused_routing)
     ref = mokgen.MoE(H, I, E, K, renormalize=True, device="cuda", reference=True)
     ref.load_state_dict(ours.state_dict())
     x = torch.randn(3, 333, H, device="cuda", generator=gen).to(torch.bfloat16)

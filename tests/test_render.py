@@ -27,7 +27,7 @@ def test_rendered_modules_are_python_and_manifest_is_complete():
     spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
     plan = make_plan(spec)
     files = render(plan)
-    forward = {"route.py", "dispatch.py", "gemm_gateup.py", "gemm_down.py", "shared_gateup.py", "shared_down.py",
+    forward = {"route.py", "route_backward.py", "dispatch.py", "gemm_gateup.py", "gemm_down.py", "shared_gateup.py", "shared_down.py",
                "gemm_fused.py", "combine.py", "launch.c", "manifest.json"}
     training = {f"{k}.py" for k in ("gemm_gateup_train", "shared_gateup_train", "bwd_recompute", "bwd_dgrad_down",
                                     "bwd_swiglu", "bwd_dgrad_gateup", "bwd_shared_recompute", "bwd_shared_dgrad_down",

@@ -10,9 +10,9 @@ w = topk_weights[t, k], h = silu(a) * b, all in fp32:
     d_weights[t, k] = <g, h>                    (the lanes' partial sums, then a butterfly
                                                  reduction: a fixed order, the same bits every run)
     da = w g b silu'(a),  db = w g silu(a),  hw = w h        [rows, 1024] bf16
-    xs[r] = x[t]                                             [rows, 2048] bf16
 
-Padding rows get zeros, so the weight-gradient GEMMs, which contract each expert's rows up
+(The x rows in dispatch order, which the gate/up weight gradients read, are copied by the
+gate/up dgrad GEMM's idle warps.) Padding rows get zeros, so the weight-gradient GEMMs, which contract each expert's rows up
 to a multiple of 64 (wgrad_down gathering dout rows, row 0 for padding), add nothing for them. Rows of unused M tiles are
 left alone (nothing reads them). 8 warps per CTA, 8 elements per lane access.
 """
@@ -22,7 +22,6 @@ import cutlass
 import cutlass.cute as cute
 
 TOPK = 8
-HIDDEN = 2048
 INTER = 1024
 THREADS = 256
 WARPS = THREADS // 32
@@ -78,8 +77,6 @@ def swiglu_backward_kernel(
     db: cute.Tensor,
     hw: cute.Tensor,
     d_weights: cute.Tensor,
-    x: cute.Tensor,
-    xs: cute.Tensor,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -92,7 +89,6 @@ def swiglu_backward_kernel(
                 zero_row(da, r, INTER, lane)
                 zero_row(db, r, INTER, lane)
                 zero_row(hw, r, INTER, lane)
-                zero_row(xs, r, HIDDEN, lane)
             else:
                 w = cutlass.Float32(0.0)
                 slot = cutlass.Int32(0)
@@ -103,21 +99,19 @@ def swiglu_backward_kernel(
                 dot = cute.arch.warp_reduction_sum(swiglu_row(g, ga, gb, da, db, hw, r, w, lane))
                 if lane == 0:
                     d_weights[t, slot] = dot
-                for col in cutlass.range(lane, HIDDEN // VEC, 32, unroll=2):
-                    cute.local_tile(xs, (1, VEC), (r, col)).store(cute.local_tile(x, (1, VEC), (t, col)).load())
 
 
 class SwigluBackward:
     @cute.jit
     def __call__(self, row_token: cute.Tensor, tile_expert: cute.Tensor, pos: cute.Tensor, weights: cute.Tensor,
                  g: cute.Tensor, ga: cute.Tensor, gb: cute.Tensor, da: cute.Tensor, db: cute.Tensor, hw: cute.Tensor,
-                 d_weights: cute.Tensor, x: cute.Tensor, xs: cute.Tensor, stream: cuda.CUstream):
+                 d_weights: cute.Tensor, stream: cuda.CUstream):
         rows = row_token.shape[0]
-        swiglu_backward_kernel(row_token, tile_expert, pos, weights, g, ga, gb, da, db, hw, d_weights, x, xs).launch(
+        swiglu_backward_kernel(row_token, tile_expert, pos, weights, g, ga, gb, da, db, hw, d_weights).launch(
             grid=((rows + WARPS - 1) // WARPS, 1, 1), block=(THREADS, 1, 1), stream=stream
         )
 
 
 def compile_entry(fake, entry):
-    names = ("row_token", "tile_expert", "pos", "weights", "g", "ga", "gb", "da", "db", "hw", "d_weights", "x", "xs")
+    names = ("row_token", "tile_expert", "pos", "weights", "g", "ga", "gb", "da", "db", "hw", "d_weights")
     return SwigluBackward(), tuple(fake(n) for n in names) + (fake.stream(),)

@@ -32,7 +32,7 @@ TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM c
 THREADS = 1024
 WARPS = THREADS // 32
 ITEMS = 4  # pairs per thread and step of the compaction
-STATUS_SLOT = 12  # tile_counters entry for the call's error code (0: none)
+STATUS_SLOT = 13  # tile_counters entry for the call's error code (0: none)
 BAD_IDS = 1  # error code: some topk_ids were outside [0, EXPERTS)
 
 

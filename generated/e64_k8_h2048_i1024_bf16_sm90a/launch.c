@@ -10,6 +10,7 @@
  */
 #include <pthread.h>
 #include "route.h"
+#include "route_backward.h"
 #include "dispatch_count.h"
 #include "dispatch_scatter.h"
 #include "gemm_gateup.h"
@@ -45,6 +46,25 @@ int mokgen_route_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_route_Tensor_ids_t arg_ids = {data[1], {dyn[1]}};
     mokgen_route_Tensor_weights_t arg_weights = {data[2], {dyn[2]}};
     return cute_dsl_mokgen_route_wrapper(&mod_route, &arg_logits, &arg_ids, &arg_weights, (cudaStream_t)stream);
+}
+
+/* route_backward: route_backward stage, route_backward.py:main */
+static mokgen_route_backward_Kernel_Module_t mod_route_backward;
+static pthread_once_t once_route_backward = PTHREAD_ONCE_INIT;
+static int load_err_route_backward = 0;
+static void load_route_backward(void) {
+    mokgen_route_backward_Kernel_Module_Load(&mod_route_backward);
+    load_err_route_backward = (int)cudaGetLastError();
+}
+int mokgen_route_backward_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_route_backward, load_route_backward);
+    if (load_err_route_backward) return load_err_route_backward;
+    (void)dyn;
+    mokgen_route_backward_Tensor_logits_t arg_logits = {data[0], {dyn[0]}};
+    mokgen_route_backward_Tensor_ids_t arg_ids = {data[1], {dyn[1]}};
+    mokgen_route_backward_Tensor_d_weights_t arg_d_weights = {data[2], {dyn[2]}};
+    mokgen_route_backward_Tensor_d_logits_t arg_d_logits = {data[3], {dyn[3]}};
+    return cute_dsl_mokgen_route_backward_wrapper(&mod_route_backward, &arg_logits, &arg_ids, &arg_d_weights, &arg_d_logits, (cudaStream_t)stream);
 }
 
 /* dispatch_count: send stage, dispatch.py:count */
@@ -270,9 +290,7 @@ int mokgen_bwd_swiglu_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_bwd_swiglu_Tensor_db_t arg_db = {data[8], {dyn[8]}};
     mokgen_bwd_swiglu_Tensor_hw_t arg_hw = {data[9], {dyn[9]}};
     mokgen_bwd_swiglu_Tensor_d_weights_t arg_d_weights = {data[10], {dyn[10]}};
-    mokgen_bwd_swiglu_Tensor_x_t arg_x = {data[11], {dyn[11]}};
-    mokgen_bwd_swiglu_Tensor_xs_t arg_xs = {data[12], {dyn[12]}};
-    return cute_dsl_mokgen_bwd_swiglu_wrapper(&mod_bwd_swiglu, &arg_row_token, &arg_tile_expert, &arg_pos, &arg_weights, &arg_g, &arg_ga, &arg_gb, &arg_da, &arg_db, &arg_hw, &arg_d_weights, &arg_x, &arg_xs, (cudaStream_t)stream);
+    return cute_dsl_mokgen_bwd_swiglu_wrapper(&mod_bwd_swiglu, &arg_row_token, &arg_tile_expert, &arg_pos, &arg_weights, &arg_g, &arg_ga, &arg_gb, &arg_da, &arg_db, &arg_hw, &arg_d_weights, (cudaStream_t)stream);
 }
 
 /* bwd_dgrad_gateup: dgrad_gateup stage, bwd_dgrad_gateup.py:main */
@@ -295,7 +313,9 @@ int mokgen_bwd_dgrad_gateup_launch(void **data, const int32_t *dyn, void *stream
     mokgen_bwd_dgrad_gateup_Tensor_tile_expert_t arg_tile_expert = {data[5], {dyn[3]}};
     mokgen_bwd_dgrad_gateup_Tensor_tile_counter_t arg_tile_counter = {data[6]};
     mokgen_bwd_dgrad_gateup_Tensor_c_t arg_c = {data[7], {dyn[4]}};
-    return cute_dsl_mokgen_bwd_dgrad_gateup_wrapper(&mod_bwd_dgrad_gateup, &arg_a, &arg_a1, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_c, (cudaStream_t)stream);
+    mokgen_bwd_dgrad_gateup_Tensor_copy_src_t arg_copy_src = {data[8], {dyn[5]}};
+    mokgen_bwd_dgrad_gateup_Tensor_copy_dst_t arg_copy_dst = {data[9], {dyn[6]}};
+    return cute_dsl_mokgen_bwd_dgrad_gateup_wrapper(&mod_bwd_dgrad_gateup, &arg_a, &arg_a1, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_c, &arg_copy_src, &arg_copy_dst, (cudaStream_t)stream);
 }
 
 /* bwd_combine: reduce stage, bwd_combine.py:main */

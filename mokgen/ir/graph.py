@@ -165,7 +165,7 @@ def forward_graph(spec: MoESpec, fused_route: bool = False) -> Graph:
     return g
 
 
-def backward_graph(spec: MoESpec) -> Graph:
+def backward_graph(spec: MoESpec, fused_route: bool = False) -> Graph:
     """The backward of the routed layer (DESIGN.md section 1) as stages. It saves nothing
     but the forward's inputs: dispatch runs again (cheap, and the same positions), and the
     SwiGLU inputs are recomputed by one gate/up GEMM that stores both products.
@@ -178,7 +178,10 @@ def backward_graph(spec: MoESpec) -> Graph:
     dgrad_gateup      da, db -> dxs = da @ w_gate[e] + db @ w_up[e]
     reduce            dx[t] = sum_k dxs[pos[t,k]] (k ascending)
     wgrad_*           d_w_down[e] = dout_e^T hw_e, d_w_gate[e] = da_e^T xs_e, d_w_up[e] = db_e^T xs_e
-                      (dout_e gathered by wgrad_down; xs, x in dispatch order, copied by swiglu_backward)
+                      (dout_e gathered by wgrad_down; xs, x in dispatch order, is copied by
+                      dgrad_gateup's idle warps beside its MMAs)
+    route_backward    (fused_route) d_topk_weights, logits, topk_ids -> d_logits: the softmax
+                      (and renormalisation) backward of the route stage
     shared_* (opt.)   the same for the shared expert over all T tokens (no weights, no
                       dispatch): its dgrad of down, SwiGLU backward, dgrad of gate/up (added
                       into dx by reduce) and weight gradients
@@ -209,8 +212,8 @@ def backward_graph(spec: MoESpec) -> Graph:
               attrs={"epilogue": "pair", **routed}),
         Stage("dgrad_down", "gemm", ("dout", "pos", "w_down"), ("g",), flops=2 * R * H * I,
               attrs={"epilogue": "store", **routed}),
-        Stage("swiglu_backward", "elementwise", ("g", "ga", "gb", "topk_weights", "x", "pos"),
-              ("da", "db", "hw", "d_topk_weights", "xs")),
+        Stage("swiglu_backward", "elementwise", ("g", "ga", "gb", "topk_weights", "pos"),
+              ("da", "db", "hw", "d_topk_weights")),
         Stage("dgrad_gateup", "gemm", ("da", "db", "w_gate", "w_up"), ("dxs",), flops=4 * R * H * I,
               attrs={"epilogue": "store", **routed}),
         Stage("reduce", "reduce", ("dxs", "pos", "topk_ids") + (("dx_shared",) if S else ()), ("dx",),
@@ -242,6 +245,12 @@ def backward_graph(spec: MoESpec) -> Graph:
         stages += [Stage(f"wgrad_shared_{n}", "gemm", (a, b), (f"d_ws_{n}",), flops=2 * T * H * S,
                          attrs={"epilogue": "store", **shared})
                    for n, a, b in (("down", "dout", "hsb"), ("gate", "das", "x"), ("up", "dbs", "x"))]
+    if fused_route:  # the route stage's gradient: the router's weight gets it through d_logits
+        tensors += [TensorType("logits", (T, spec.experts), "f32"), TensorType("d_logits", (T, spec.experts), "f32")]
+        inputs.append("logits")
+        outputs.append("d_logits")
+        stages.append(Stage("route_backward", "route", ("d_topk_weights", "logits", "topk_ids"), ("d_logits",),
+                            attrs={"renormalize": spec.renormalize}))
     g = Graph(spec, {t.name: t for t in tensors}, stages, tuple(inputs), tuple(outputs))
     g.check()
     return g

@@ -365,6 +365,19 @@ class Variant:
                 self.run("route", dict(logits=logits, topk_ids=ids, topk_weights=weights), logits.device)
         return ids, weights
 
+    def route_backward(self, logits, ids, d_weights):
+        """d_logits [T, E] fp32 of the route stage (softmax, top-k, renormalisation) from
+        d_topk_weights; the ids are the ones route returned for these logits."""
+        if "route_backward" not in self.plan["steps"]:
+            raise InputError(f"{self.name} was built without the route's backward: rebuild it (`mokgen build` "
+                             "or mokgen.load(spec)) to differentiate through mokgen.route")
+        d_logits = torch.empty_like(logits)
+        if logits.shape[0]:
+            with torch.cuda.device(logits.device):
+                self.run("route_backward", dict(logits=logits, topk_ids=ids, d_topk_weights=d_weights.contiguous(),
+                                                d_logits=d_logits), logits.device)
+        return d_logits
+
 
 _OPS: dict[str, object] = {}
 
@@ -462,9 +475,30 @@ def _register_ops(v: Variant):
         return (logits.new_empty(logits.shape[0], K, dtype=torch.int32),
                 logits.new_empty(logits.shape[0], K, dtype=torch.float32))
 
+    @torch.library.custom_op(f"mokgen::{v.name}_route_backward", mutates_args=())
+    def route_backward(logits: Tensor, topk_ids: Tensor, d_topk_weights: Tensor) -> Tensor:
+        return Ops.variant.route_backward(logits, topk_ids, d_topk_weights)
+
+    @route_backward.register_fake
+    def _(logits, topk_ids, d_topk_weights):
+        return torch.empty_like(logits)
+
+    # mokgen.route is differentiable in its weights (the ids are not): the router's weight
+    # gets its gradient through d_logits.
+    def setup_context_route(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output[0])
+        ctx.mark_non_differentiable(output[0])
+
+    def autograd_backward_route(ctx, _d_ids, d_weights):
+        logits, ids = ctx.saved_tensors
+        return route_backward(logits, ids, d_weights.float())
+
+    route.register_autograd(autograd_backward_route, setup_context=setup_context_route)
+
     Ops.forward = forward
     Ops.forward_train = forward_train
     Ops.backward = backward
     Ops.route = route
+    Ops.route_backward = route_backward
     _OPS[v.name] = Ops
     return Ops

@@ -294,7 +294,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # expert parallel, overlapped: the down GEMM returns its rows, claiming M tiles from a counter
     gemm_returns = ep and expert_parallel.gemm_returns(overrides or {})
     slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
-        + (["down_done"] if fused_combine else []) + (["ep_return"] if gemm_returns else []) + ["status"]
+        + (["down_done"] if fused_combine else []) + (["ep_return"] if gemm_returns else []) \
+        + (["xs_copy"] if backward and not ep else []) + ["status"]
     used_slot = slots.index("used") if fuse else 0
     shared_slot = slots.index("shared_done") if "shared_done" in slots else 0
     done_slot = slots.index("down_done") if fused_combine else None
@@ -321,6 +322,16 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         args=[KernelArg("logits", "logits", "f32", ["T", spec.experts]),
               KernelArg("ids", "topk_ids", "i32", ["T", K]),
               KernelArg("weights", "topk_weights", "f32", ["T", K])],
+        grid=f"(ceil(T/{route_threads}),)", block=route_threads,
+        warp_roles=["all warps: one token per thread"]))
+    # its backward (mokgen.route is differentiable): d_logits from d_topk_weights
+    kernels.append(KernelPlan(
+        name="route_backward", stage="route_backward", module="route_backward", template="route_backward.py.j2",
+        entry="main", params=dict(experts=spec.experts, topk=K, threads=route_threads, renormalize=spec.renormalize),
+        args=[KernelArg("logits", "logits", "f32", ["T", spec.experts]),
+              KernelArg("ids", "topk_ids", "i32", ["T", K]),
+              KernelArg("d_weights", "d_topk_weights", "f32", ["T", K]),
+              KernelArg("d_logits", "d_logits", "f32", ["T", spec.experts])],
         grid=f"(ceil(T/{route_threads}),)", block=route_threads,
         warp_roles=["all warps: one token per thread"]))
 
@@ -361,14 +372,16 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                          "compaction keeps (token, slot) order, so positions are deterministic")
 
     def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc, gather_a=False,
-             routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn=""):
+             routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn="", copy_rows=None):
         """One grouped GEMM. The backward's modes (templates/grouped_gemm_persistent.py.j2):
         epilogue "pair" (c = (c0, c1), both products stored), b_major "mn" (B stored
         [groups, K, N]), split_k (a = (a0, a1) and b = (b0, b1) along K), wgrad_m (weight
         gradients [groups, wgrad_m, n] contracted over each group's rows; k is unused; gather_mn
-        "a" or "b": that operand's rows gathered from token rows through row_token)."""
+        "a" or "b": that operand's rows gathered from token rows through row_token; copy_rows
+        (source, destination, counter slot): the kernel's idle warps also copy the source's token
+        rows into the destination in dispatch order, see COPY_CLAIM_ROWS)."""
         tile_m = WGRAD_TILE_M if wgrad_m else row_tile  # a weight-gradient tile runs over H or I, not rows
-        tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a or bool(gather_mn),
+        tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a or bool(gather_mn) or bool(copy_rows),
                                 (overrides or {}).get(f"{name}.tile_n"), (overrides or {}).get(f"{name}.epi_stages"))
         cs = c if isinstance(c, tuple) else (c,)
         if wgrad_m:  # A [rows, wgrad_m], B [rows, n]; counts give each group's rows
@@ -396,6 +409,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
                      KernelArg("tile_counter", "tile_counters", "i32", [n_counters])]
             args += [KernelArg(f"c{i + 1 if i else ''}", t, "bf16", [m_sym, n]) for i, t in enumerate(cs)]
+            if copy_rows:
+                args += [KernelArg("copy_src", copy_rows[0], "bf16", ["T", H]),
+                         KernelArg("copy_dst", copy_rows[1], "bf16", [m_sym, H])]
         raster = (overrides or {}).get(f"{name}.raster", "m")
         # Gathered A stages a producer warp keeps in flight before releasing the oldest.
         # The consumers release a stage only after the next one is full (one wgmma batch
@@ -421,6 +437,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                       gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns, status_poll_ns=STATUS_POLL_NS,
                       b_major=b_major, split_k=split_k, wgrad=bool(wgrad_m), m_size=wgrad_m, gather_mn=gather_mn,
                       row_align=row_tile * cluster_m,
+                      **(dict(copy_rows=True, copy_slot=copy_rows[2], copy_cols=H, copy_claim_rows=COPY_CLAIM_ROWS,
+                              copy_batch_producer=COPY_BATCH_PRODUCER, copy_batch_consumer=COPY_BATCH_CONSUMER)
+                         if copy_rows else {}),
                       class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
@@ -549,7 +568,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                 return_ctas=split["return"][0] if split else target.sms, threads=threads)
                 + sends["grad"] + sends["x"], split, steps["forward"])
             buffers += expert_parallel.ep_backward_buffers(spec, row_tile)
-        kernels += backward_kernels(gemm, spec, target, row_tile, buffers, steps, decisions, _expr(rows), exchange)
+        kernels += backward_kernels(gemm, spec, target, row_tile, buffers, steps, decisions, _expr(rows), exchange,
+                                    slots.index("xs_copy") if "xs_copy" in slots else None)
         if ep and exchange[1]:
             side_stream += ["ep_send_bwd", "ep_send_bwd_grad", "ep_send_bwd_x", "ep_return_bwd"]
     profile = bool((overrides or {}).get("profile"))
@@ -570,6 +590,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                          "its start and end time (globaltimer) in prof_<kernel>; `mokgen profile` draws them")
 
     steps["route"] = ["route"]
+    steps["route_backward"] = ["route_backward"]
     kernels = [k for k in kernels if any(k.name in entry for entry in steps.values())]  # nothing unused is built
     task_graph = forward_task_graph(spec, gemm_model_params({k.name: k.params for k in kernels}), target).to_dict()
     for k in kernels:  # the single launch claims its tiles in the task graph's order
@@ -752,7 +773,7 @@ def check_overrides(overrides: dict) -> None:
 def check_plan(plan: Plan, graph: Graph) -> None:
     """Invariants every Plan keeps (also asserted by the tests). Kernels bind workspace
     buffers or tensors of the forward graph (given) or of the backward graph."""
-    known = set(graph.tensors) | set(backward_graph(graph.spec).tensors)
+    known = set(graph.tensors) | set(backward_graph(graph.spec, fused_route=True).tensors)
     names = [k.name for k in plan.kernels]
     if len(set(names)) != len(names):
         raise PlanError("duplicate kernel names")
@@ -785,6 +806,15 @@ SHARED_BACKWARD_GEMMS = ["shared_gateup_train", "bwd_shared_recompute", "bwd_sha
                          "bwd_shared_dgrad_gateup", "wgrad_shared_down", "wgrad_shared_gate", "wgrad_shared_up"]
 # M tile of the weight-gradient GEMMs (over H or I): both MMA warpgroups.
 WGRAD_TILE_M = 2 * WGMMA_ROWS
+# The x rows the gate/up weight gradients read in dispatch order (xs) are copied by
+# bwd_dgrad_gateup's otherwise idle warps (its producer warpgroup's warps 1..3 from the start,
+# its consumer warps once they have no tile left), beside the MMAs instead of in a
+# bandwidth-bound kernel of their own (E64 K8 H2048 I1024, T=16384: 1.07 GB read and written).
+# Rows per claim (one atomicAdd per warp), and the 16-byte loads each lane keeps in flight:
+# producer warps run with few registers (setmaxnreg), consumer warps with many.
+COPY_CLAIM_ROWS = 8
+COPY_BATCH_PRODUCER = 4
+COPY_BATCH_CONSUMER = 8
 # Rows (token, slot pairs) per CTA of the SwiGLU backward: one warp each.
 SWIGLU_BWD_WARPS = 8
 
@@ -811,7 +841,7 @@ def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, 
 
 
 def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers: list, steps: dict,
-                     decisions: list, rows: str, exchange: tuple | None = None) -> list:
+                     decisions: list, rows: str, exchange: tuple | None = None, copy_slot: int | None = None) -> list:
     """The training forward's and the backward's kernels (backward_graph's stages) and their
     step lists: steps["forward_train"] (the per-GEMM forward whose gate/up GEMMs also store
     the SwiGLU inputs), steps["backward"] (reads them) and steps["backward_recompute"]
@@ -845,12 +875,13 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
              + ("received." if ep else "gathered."), gather_a=gather, b_major="mn", clustered=False),
         swiglu_backward("bwd_swiglu", spec, row_tile, ep=ep),
         gemm("bwd_dgrad_gateup", "dgrad_gateup", ("da", "db"), ("w_gate", "w_up"), "dxs", H, 2 * I, "store",
-             "tile_expert", "M", "MT", E, "Backward: the gate/up projections' input gradient.",
-             b_major="mn", split_k=True, clustered=False),
+             "tile_expert", "M", "MT", E, "Backward: the gate/up projections' input gradient"
+             + ("." if ep else "; its idle warps copy the x rows into dispatch order (xs) meanwhile."),
+             b_major="mn", split_k=True, clustered=False, copy_rows=None if ep else ("x", "xs", copy_slot)),
     ]
     # wgrad_down gathers its dout rows (the producer, by cp.async: a 128-wide A tile, 8 copies
-    # per thread and stage); wgrad_gate/up read the x rows bwd_swiglu copies into dispatch
-    # order (xs) by TMA. Measured on H200, E64 K8 H2048 I1024, T=16384: gathering their
+    # per thread and stage); wgrad_gate/up read the x rows bwd_dgrad_gateup copies into
+    # dispatch order (xs) by TMA. Measured on H200, E64 K8 H2048 I1024, T=16384: gathering their
     # 256-wide B tiles too (16 copies per thread and stage) made each 0.41 ms slower, more
     # than the copy costs (docs/perf.md).
     # Expert parallel: both read the received rows by TMA (their padding rows zeroed by layout).
@@ -900,9 +931,11 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
     decisions.append(
         "backward: dispatch again (the forward's positions, deterministic); bwd_dgrad_down gathers dout rows against "
         "w_down read MN-major (no transposed copy); bwd_swiglu (one warp per row, fixed shuffle order) writes "
-        "d_topk_weights = <g, h>, da, db, hw = w h and the x rows in dispatch order (zeros on padding rows, so the "
-        "weight gradients contract nothing there, whatever dout rows wgrad_down gathers for them); bwd_dgrad_gateup "
-        "runs K over da|db against w_gate|w_up; "
+        "d_topk_weights = <g, h>, da, db, hw = w h (zeros on padding rows, so the weight gradients contract nothing "
+        "there, whatever dout rows wgrad_down gathers for them); bwd_dgrad_gateup runs K over da|db against "
+        "w_gate|w_up, and its idle warps (the producer warpgroup's warps 1..3, then the consumers once no tile is "
+        "left) copy the x rows into dispatch order (xs, zeros on padding rows) for wgrad_gate/up, rows claimed from "
+        "a counter; "
         "bwd_combine sums dx over k in order" + (" and adds the shared expert's" if S else "") + "; wgrad_* contract "
         "each expert's rows in order in one CTA per output tile: every gradient is bitwise deterministic")
     decisions.append("forward_train (autograd's forward): the per-GEMM path whose gate/up GEMMs also store x @ w^T "
@@ -994,8 +1027,7 @@ def swiglu_backward(name: str, spec: MoESpec, row_tile: int, shared: bool = Fals
     if ep:
         args.append(KernelArg("d_weights", "d_rows", "f32", ["M"]))
     elif not shared:
-        args += [KernelArg("d_weights", "d_topk_weights", "f32", ["T", K]), KernelArg("x", "x", "bf16", ["T", H]),
-                 KernelArg("xs", "xs", "bf16", ["M", H])]
+        args.append(KernelArg("d_weights", "d_topk_weights", "f32", ["T", K]))
     return KernelPlan(name, "swiglu_backward", name, "swiglu_backward.py.j2", "main",
                       dict(topk=K, hidden=H, intermediate=width, threads=threads, vec=VEC, tile_m=row_tile,
                            shared=shared, ep=ep),
