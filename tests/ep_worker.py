@@ -23,6 +23,7 @@ import torch.distributed as dist
 import mokgen
 from mokgen.reference import dot_error_scales, expert_ffn, moe_reference, moe_reference_backward, rel_error
 from mokgen.runtime import InputError, KernelTimeout
+from mokgen.runtime.peers import RendezvousTimeout
 from mokgen.runtime.peers import _WORKSPACES
 
 TOL = 1e-2
@@ -61,6 +62,9 @@ def main():
     ap.add_argument("--no-timeout-case", action="store_true")
     ap.add_argument("--grad-tokens", default="1,513,4096", help="token counts per rank of the backward cases")
     a = ap.parse_args()
+    # The host rendezvous' bound (300 s by default) short enough for the absent-rank case,
+    # long enough for every rank's first call.
+    os.environ.setdefault("MOKGEN_RENDEZVOUS_TIMEOUT_S", "15")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -227,6 +231,19 @@ def main():
         torch.cuda.synchronize()
         dist.barrier()  # nobody frees its workspace while a peer may still store into it
         mokgen.release_peer_workspaces()
+        # The first call on a group makes the workspace (a host collective): rank world-1 does
+        # not come, the others raise RendezvousTimeout after the bound, and nothing hangs.
+        if rank != world - 1:
+            t0 = time.time()
+            try:
+                with torch.no_grad():
+                    mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, **shared)
+                print(f"rank {rank} absent peer at the first call: no error raised FAIL", flush=True)
+                failures += 1
+            except RendezvousTimeout as e:
+                print(f"rank {rank} absent peer at the first call: RendezvousTimeout after {time.time() - t0:.1f}s ok "
+                      f"({str(e)[:90]}...)", flush=True)
+        dist.barrier()
         case("after a fresh workspace", 100, "uniform")
         # the same in the backward: every rank runs the forward, rank world-1 skips the backward
         x = torch.randn(64, H, device="cuda", generator=gen).bfloat16().requires_grad_(True)

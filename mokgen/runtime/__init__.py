@@ -10,6 +10,7 @@ import torch
 from ..ir import MoESpec
 from .checks import InputError, check_ids_in_range, check_moe_inputs
 from .library import LaunchError
+from .peers import RendezvousTimeout
 from .variant import KernelTimeout, Variant, VariantNotBuilt
 
 _LOADED: dict[str, Variant] = {}
@@ -120,8 +121,9 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     linked by NVLink). Each rank passes its own tokens and its E/W local experts' weights
     (rank r owns global experts r*E/W .. (r+1)*E/W - 1); topk_ids are global. Every rank must
     make the same calls in the same order (a rank that does not take part is reported as a
-    KernelTimeout on the others, never a hang). The group's peer workspace is made by the
-    first call, for max_tokens tokens per rank (default: the largest T of that first call
+    KernelTimeout on the others, never a hang; at the call that makes the workspace, a host
+    collective, as RendezvousTimeout after MOKGEN_RENDEZVOUS_TIMEOUT_S seconds, default 300).
+    The group's peer workspace is made by the first call, for max_tokens tokens per rank (default: the largest T of that first call
     over the group) and recv_rows (token, expert) rows received per rank and call (default:
     group size x max_tokens x topk, which no routing exceeds; a smaller bound saves memory, and
     a call whose routing would exceed it is dropped on every rank and reported as InputError).
@@ -252,5 +254,5 @@ def check_errors() -> None:
         v.check_errors()
 
 
-__all__ = ["InputError", "KernelTimeout", "LaunchError", "Variant", "VariantNotBuilt", "check_errors", "load", "moe",
-           "route", "find_variant", "release_peer_workspaces"]
+__all__ = ["InputError", "KernelTimeout", "LaunchError", "RendezvousTimeout", "Variant", "VariantNotBuilt",
+           "check_errors", "load", "moe", "route", "find_variant", "release_peer_workspaces"]

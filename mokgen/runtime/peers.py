@@ -4,9 +4,14 @@ buffers, made once per (variant, process group, device) and reused by every call
 Symmetric buffers live in torch symmetric memory (peer-to-peer mappings; NVLink multicast
 is not used), so the generated kernels store straight into a peer's copy through the
 addresses in ep_peers. Making a workspace is collective: every rank of the group makes it
-in the same order, at the same capacity.
+in the same order, at the same capacity. Each such host collective starts with a bounded
+rendezvous (`arrive`): a rank that never comes is reported as RendezvousTimeout on the
+others after MOKGEN_RENDEZVOUS_TIMEOUT_S seconds (default 300), not a hang in NCCL.
 """
 from __future__ import annotations
+
+import os
+import time
 
 import sympy
 import torch
@@ -17,6 +22,67 @@ from ..schedule.expert_parallel import BACKWARD_REGIONS, REGIONS, STATE
 from .checks import InputError
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
+# How long a rank waits at a host rendezvous for the others (their first call may include
+# loading the variant, or a slow data loader): long, but not forever.
+RENDEZVOUS_TIMEOUT_S = 300.0
+RENDEZVOUS_POLL_S = 0.01
+
+
+class RendezvousTimeout(RuntimeError):
+    """A rank of the process group did not reach a host rendezvous of the expert-parallel
+    layer (making or growing the peer workspace) in time. Nothing was allocated; every rank
+    that reached it raises this."""
+
+
+def rendezvous_timeout_s() -> float:
+    return float(os.environ.get("MOKGEN_RENDEZVOUS_TIMEOUT_S", RENDEZVOUS_TIMEOUT_S))
+
+
+def arrive(group, what: str, timeout_s: float | None = None) -> None:
+    """A bounded rendezvous of every rank of `group` on the c10d store, before a host
+    collective that would otherwise wait without bound for a rank that never comes.
+
+    Attempts are numbered: the current one is the first without a verdict in the store (an
+    epoch key, advanced after each verdict, says where to start looking). Each rank marks
+    itself arrived under it and waits until the attempt has a verdict. The first rank to see
+    every rank arrived writes "ok", or past its deadline "fail". compare_set makes the first
+    verdict the only one. Every rank of an attempt follows the same verdict, so none goes on
+    into the collective alone. A rank that comes late or skipped the attempt finds its
+    verdict and starts in step with the others' next attempt."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # a default group without a store: nothing to bound the wait with
+        return
+    timeout_s = rendezvous_timeout_s() if timeout_s is None else timeout_s
+    base = f"mokgen/{getattr(group, 'group_name', 'group')}/{what}"
+    epoch = int(store.add(f"{base}/epoch", 0))
+    while store.check([f"{base}/{epoch}/verdict"]):  # decided attempts are over
+        epoch += 1
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    store.set(f"{base}/{epoch}/arrived/{me}", "1")
+    verdict_key = f"{base}/{epoch}/verdict"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([verdict_key]):
+            verdict = store.get(verdict_key).decode()
+            break
+        arrived = [r for r in ranks if store.check([f"{base}/{epoch}/arrived/{r}"])]
+        if len(arrived) == len(ranks) or time.monotonic() > deadline:
+            want = "ok" if len(arrived) == len(ranks) else "fail:" + ",".join(
+                str(ranks.index(r)) for r in ranks if r not in arrived)
+            verdict = store.compare_set(verdict_key, "", want).decode()
+            if verdict == want:
+                store.add(f"{base}/epoch", 1)  # the next attempt starts with fresh keys
+            break
+        time.sleep(RENDEZVOUS_POLL_S)
+    if verdict != "ok":
+        missing = verdict.split(":", 1)[1]
+        raise RendezvousTimeout(f"expert-parallel {what}: rank(s) {missing} of the group did not arrive within "
+                                f"{timeout_s:.0f} s (MOKGEN_RENDEZVOUS_TIMEOUT_S); every rank must make the same "
+                                "expert-parallel calls in the same order. Nothing was allocated.")
 
 
 def _shape(b: dict, capacity: int, recv_rows: int) -> tuple:
@@ -93,6 +159,7 @@ class PeerWorkspace:
             if torch.cuda.is_current_stream_capturing():
                 raise InputError(f"{variant.name}: the first expert-parallel call under autograd makes the peer "
                                  "workspace's backward regions (collective); run one before capturing a graph")
+            arrive(self.group, f"{variant.name}/backward regions")
             self._make(missing)
 
     def nbytes(self) -> int:
@@ -114,6 +181,7 @@ def workspace(variant, group, tokens: int, capacity: int | None, recv_rows: int 
     key = (variant.name, group.group_name if hasattr(group, "group_name") else id(group), device)
     ws = _WORKSPACES.get(key)
     if ws is None:
+        arrive(group, f"{variant.name}/workspace")  # bounded: a rank that never comes is reported, not waited for
         t = torch.tensor([tokens if capacity is None else capacity, recv_rows or 0], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         capacity, agreed_rows = max(1, int(t[0].item())), int(t[1].item())

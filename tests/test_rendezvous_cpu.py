@@ -1,0 +1,71 @@
+"""The bounded host rendezvous before the expert-parallel layer's host collectives
+(mokgen.runtime.peers.arrive), on CPU: two processes, a gloo group, its TCP store.
+
+A rank that skips an attempt, or comes after the others' deadline, is reported on the
+others as RendezvousTimeout, never a hang; the attempts after it are in step again.
+"""
+import socket
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank: int, port: int, results):
+    import torch.distributed as dist
+
+    from mokgen.runtime.peers import RendezvousTimeout, arrive
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+    group = dist.group.WORLD
+    log = []
+
+    def attempt(name, timeout_s):
+        t0 = time.monotonic()
+        try:
+            arrive(group, "test", timeout_s)
+            log.append((name, "ok", time.monotonic() - t0))
+        except RendezvousTimeout as e:
+            log.append((name, "timeout", time.monotonic() - t0, str(e)))
+
+    attempt("both", 5.0)
+    if rank == 0:  # rank 1 skips this one
+        attempt("absent", 0.5)
+    dist.barrier()
+    attempt("both again", 5.0)
+    if rank == 1:  # comes after rank 0 has given up
+        time.sleep(1.5)
+    attempt("late", 0.5)
+    dist.barrier()
+    attempt("in step after it", 5.0)
+    results[rank] = log
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_never_arrives_is_reported_and_the_next_attempts_are_in_step():
+    mp = torch.multiprocessing.get_context("spawn")
+    results = mp.Manager().dict()
+    port = free_port()
+    procs = [mp.Process(target=worker, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    r0, r1 = results[0], results[1]
+    by0, by1 = {e[0]: e for e in r0}, {e[0]: e for e in r1}
+    for name in ("both", "both again", "in step after it"):
+        assert by0[name][1] == "ok" and by1[name][1] == "ok", (r0, r1)
+    assert by0["absent"][1] == "timeout" and 0.5 <= by0["absent"][2] < 3, r0
+    assert "rank(s) 1 of the group did not arrive" in by0["absent"][3]
+    # The late rank finds the attempt decided, waits in the next one, and is told too.
+    assert by0["late"][1] == "timeout" and by1["late"][1] == "timeout", (r0, r1)
+    assert "rank(s) 0 of the group did not arrive" in by1["late"][3]
