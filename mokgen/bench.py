@@ -201,11 +201,14 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
                     t.grad = None
                 fn()
 
-            ms = time_ms(call)
+            # Energy per call too: at large T both run into the power cap, where the time
+            # follows the energy a call needs.
+            ms, joules = time_with_energy(call)
             st = gpu_state()
             worst = max(errs.values()) if errs else float("nan")
             rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=worst,
-                             grad_errors=errs, routing=routing, path="forward+backward", **st))
+                             grad_errors=errs, routing=routing, path="forward+backward", **st,
+                             **({"joules": joules} if joules is not None else {})))
             log(f"  {variant.name} T={T} {name} fwd+bwd: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, worst "
                 f"gradient rel_err {worst:.2e}" + (f", {st['sm_clock_mhz']} MHz, {st['power_w']} W" if "power_w" in st
                                                    else ""))
