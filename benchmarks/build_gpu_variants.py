@@ -25,6 +25,10 @@ ep_specs.append(ep_spec((40, 6, 1536, 640, 0)))  # benchmarks/train_demo.py unde
 for i, spec in enumerate(specs + ep_specs):
     print(f"[{i + 1}/{len(specs) + len(ep_specs) + 1}] {spec.variant}", flush=True)
     build(spec, default_out(), force=force, log=lambda m: None)
+# Expert parallel, the gate/up launch sending its rows itself (Plan override gemm_sends): the
+# golden worker and ep_bench --variants run it from this directory (MOKGEN_HOME).
+build(ep_specs[0], default_out() / "experiments" / "ep_gemm_sends", overrides={"gemm_sends": True}, force=force,
+      log=lambda m: None)
 print(f"[{len(specs) + len(ep_specs) + 1}/{len(specs) + len(ep_specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)
 for name, (overrides, *_) in BROKEN_BUILDS.items():
     build(spec_of(SHAPES[0]), deadlock_dir(name), overrides=overrides, force=force, log=lambda m: None)

@@ -195,6 +195,31 @@ def test_expert_parallel_variant_compiles(tmp_path):
         assert "HGMMA" in sass and "UTMALDG" in sass and not any(op in sass for op in ("LDL", "STL")), name
 
 
+def test_gate_up_launch_that_sends_its_rows_compiles(tmp_path):
+    """Plan override gemm_sends: the gate/up GEMMs with the send inside their launch, on
+    HGMMA without spills, their send storing to peers and counting at system scope."""
+    import sys
+
+    from mokgen.codegen.render import render, write_tree
+    from mokgen.schedule import make_plan
+
+    plan = make_plan(EP_SPEC, overrides={"gemm_sends": True})
+    write_tree(render(plan), tmp_path / "v")
+    names = ("gemm_gateup", "gemm_gateup_train", "ep_send_bwd_grad")
+    subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / "v"), str(tmp_path / "b"),
+                    *names], check=True, capture_output=True)
+    for name in names[:2]:
+        ptx = (tmp_path / "b" / f"{name}.ptx").read_text()
+        assert "fence.acq_rel.sys" in ptx and "st.release.sys" in ptx, name
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed")
+    for name in names[:2]:
+        sass = subprocess.run([tool, str(tmp_path / "b" / f"{name}.cubin")], capture_output=True, text=True,
+                              check=True).stdout
+        assert "HGMMA" in sass and "UTMALDG" in sass and not any(op in sass for op in ("LDL", "STL")), name
+
+
 @pytest.mark.parametrize("world", [4, 8, 72])
 def test_exchange_compiles_for_larger_nvlink_domains(tmp_path, world):
     """N=4 and N=8 (the DeepSeek-V3 layer) and an NVL72 domain are planned and their exchange,

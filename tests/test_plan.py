@@ -102,6 +102,23 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
     assert json.loads(Plan.from_dict(json.loads(p.to_json())).to_json()) == json.loads(p.to_json())
 
 
+def test_expert_parallel_gate_up_launch_can_send_its_rows_itself():
+    """Plan override gemm_sends: no send kernel and no second stream in the forward; the gate/up
+    GEMMs (forward and training) run on every SM, their first CTAs send the rows."""
+    p = make_plan(EP2, overrides={"gemm_sends": True})
+    default = make_plan(EP2)
+    for entry, gemm in (("forward", "gemm_gateup"), ("forward_train", "gemm_gateup_train")):
+        assert "ep_send" not in p.steps[entry] and "ep_send" in default.steps[entry]
+        k = p.kernel(gemm)
+        assert k.params["send_in_gemm"] and k.params["ep_ready"] and k.params["sms"] == 132 and k.grid == "(132,)"
+        assert k.params["send_ctas"] == default.kernel("ep_send").params["comm_ctas"]
+        assert {"x", "send_token", "send_expert", "send_shift", "counts", "sent", "ep_peers"} <= \
+            {a.tensor for a in k.args}
+    assert "ep_send" not in p.side_stream and "ep_send_bwd_grad" in p.side_stream
+    assert any(d.startswith("send inside gemm_gateup") for d in p.decisions)
+    assert "gemm_sends" not in str(default.decisions) and not default.kernel("gemm_gateup").params.get("send_in_gemm")
+
+
 def test_expert_parallel_backward_exchanges_again_and_runs_on_the_received_rows():
     p = make_plan(EP2)
     bwd = p.steps["backward_recompute"]

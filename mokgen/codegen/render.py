@@ -46,7 +46,8 @@ def _context_key(template: str) -> str:
 
 def _includes(k: KernelPlan) -> list[str]:
     """Templates a kernel's template includes (their hashes decide staleness too)."""
-    return ["ep_rows.py.j2"] if k.template == "ep_exchange.py.j2" or k.params.get("ep_return") else []
+    return ["ep_rows.py.j2"] if k.template == "ep_exchange.py.j2" or k.params.get("ep_return") \
+        or k.params.get("send_in_gemm") else []
 
 
 def _shim_kernel(k: KernelPlan) -> dict:

@@ -114,6 +114,12 @@ def gemm_returns(overrides: dict) -> bool:
     return overlapped(overrides) and overrides.get("gemm_returns", True)
 
 
+def gemm_sends(overrides: dict) -> bool:
+    """Whether the gate/up GEMM's launch sends the rows itself (overlapped runs only; Plan
+    override gemm_sends: true; the default keeps the send kernel on the second stream)."""
+    return overlapped(overrides) and overrides.get("gemm_sends", False)
+
+
 def overlap_split(copy_bytes: float, gemm_flops: float, tail: float, target: Target) -> tuple[int, str]:
     """(SMs for a copy of copy_bytes that runs beside a GEMM of gemm_flops, why). The cost
     model: n SMs store at min(n * the per-SM peer store rate, the link's ceiling); the GEMM
@@ -197,6 +203,26 @@ def return_in_gemm(down: KernelPlan, spec: MoESpec, target: Target, overrides: d
                   KernelArg("ep_state", "ep_state", "i32", [len(STATE)])]
     down.grid = f"({target.sms},)"
     return n, why
+
+
+def send_in_gemm(gateup: KernelPlan, spec: MoESpec, target: Target, ctas: int) -> None:
+    """Make a gate/up GEMM that waits per M tile for its rows (overlap_gemm) send this rank's
+    rows itself (templates/grouped_gemm_persistent.py.j2, send_in_gemm): one launch of
+    target.sms CTAs, the first ctas of which store the rows into their owners' ep_recv (the
+    send kernel's code, templates/ep_rows.py.j2) and then take tiles like the others, so no
+    SM idles once the rows are out and no second stream is needed."""
+    E = spec.experts
+    gateup.params = dict(gateup.params, send_in_gemm=True, send_ctas=ctas, sms=target.sms,
+                         ep_rows=peer_rows_params(spec),
+                         ep_send=dict(rows=[["send_x", "ep_recv"]], weights=False, count_ready=True))
+    gateup.args += [KernelArg("send_x", "x", "bf16", ["T", spec.hidden]),
+                    KernelArg("send_token", "send_token", "i32", ["R"]),
+                    KernelArg("send_expert", "send_expert", "i32", ["R"]),
+                    KernelArg("send_shift", "send_shift", "i32", [E]),
+                    KernelArg("counts", "counts", "i32", [E]),
+                    KernelArg("sent", "sent", "i32", [E]),
+                    KernelArg("peers", "ep_peers", "i64", [len(REGIONS), spec.world_size])]
+    gateup.grid = f"({target.sms},)"
 
 
 def backward_comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> dict:

@@ -459,7 +459,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         gateup = gemm("gemm_gateup", "gemm_gateup", "ep_recv", ("w_gate", "w_up"), "h", I, H, "swiglu",
                       "tile_expert", "M", "MT", E, "Routed gate/up projection (received rows) with the SwiGLU epilogue.")
         if expert_parallel.overlapped(overrides or {}):
-            expert_parallel.overlap_gemm(gateup, spec, target, expert_parallel.comm_ctas(spec, target, overrides or {})[0])
+            send_ctas = expert_parallel.comm_ctas(spec, target, overrides or {})[0]
+            expert_parallel.overlap_gemm(gateup, spec, target, send_ctas)
+            if expert_parallel.gemm_sends(overrides or {}):
+                expert_parallel.send_in_gemm(gateup, spec, target, send_ctas)
     else:
         gateup = gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
                       "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue.", gather_a=True)
@@ -537,7 +540,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         shared_steps = ["shared_gateup", "shared_down"] if S else []
         # The shared expert's GEMMs run while the peers' rows are in flight; overlapped, the
         # send runs on the second stream and gate/up waits per M tile instead of ep_wait_rows.
-        head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send"] + shared_steps
+        sends = expert_parallel.gemm_sends(overrides or {})  # the gate/up launch sends the rows itself
+        head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout"] + ([] if sends else ["ep_send"]) \
+            + shared_steps
         if expert_parallel.overlapped(overrides or {}):  # the send beside gate/up, which waits per M tile
             steps["forward"] = head + ["gemm_gateup", "gemm_down"] + ([] if gemm_returns else ["ep_return"]) \
                 + ["ep_wait_returns", "combine"]
@@ -545,7 +550,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                 decisions.append(f"return inside gemm_down: its last {n_ret} CTAs return M tiles from the start, the "
                                  "others once they have no tile left; an M tile's rows leave when its N tiles are "
                                  f"stored (down_ready, release/acquire at GPU scope, bounded); {why_ret}")
-            side_stream = ["ep_send"]
+            side_stream = [] if sends else ["ep_send"]
+            if sends:
+                decisions.append(f"send inside gemm_gateup: its first {send_ctas} CTAs store this rank's rows into "
+                                 "their owners' ep_recv, then take GEMM tiles like the others")
         else:
             steps["forward"] = head + ["ep_wait_rows", "gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns",
                                        "combine"]
@@ -745,7 +753,7 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 # reaches (tests check that a broken dependency ends in a clear error, not a hang).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
-                           r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns"
+                           r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag")
 
@@ -758,7 +766,7 @@ def check_overrides(overrides: dict) -> None:
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
         if key in ("debug_unchecked", "debug_break_dependency", "profile", "fuse_gemms", "dispatch_chunked",
-                   "ep_overlap", "gemm_returns"):
+                   "ep_overlap", "gemm_returns", "gemm_sends"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
@@ -972,6 +980,8 @@ def ep_backward_steps(ks: list, exchange: list, split: dict | None, forward: lis
     routed = ["bwd_dgrad_down", "bwd_swiglu", "bwd_dgrad_gateup"]
     if split:
         expert_parallel.overlap_gemm(by_name["gemm_gateup_train"], spec, target, split["forward_send"])
+        if "ep_send" not in forward:  # the forward's gate/up launch sends its rows: the training one too
+            expert_parallel.send_in_gemm(by_name["gemm_gateup_train"], spec, target, split["forward_send"])
         expert_parallel.overlap_gemm(by_name["bwd_recompute"], spec, target, split["send"][0])
         # dgrad_down waits per M tile for the dout rows; in the recompute path they are all
         # there by then (bwd_recompute waited for the same flags), so the wait costs nothing
