@@ -4,8 +4,8 @@ whose expert part runs through the generated kernels, forward and backward.
 The router is an fp32 linear layer; softmax, top-k and the optional renormalisation run in
 PyTorch, or with fused_routing=True in the generated route kernel and its generated backward
 (d_logits from d_topk_weights); either way the router's weight gets its gradient through
-d_topk_weights, which the generated backward returns. `reference=True` builds the same block on plain PyTorch ops
-(torch grouped_mm), for comparisons and for machines without a GPU build.
+d_topk_weights, which the generated backward returns. `reference=True` builds the same block
+on plain PyTorch ops (torch grouped_mm), for comparisons and for machines without a GPU build.
 """
 from __future__ import annotations
 
@@ -209,4 +209,5 @@ class MoE(nn.Module):
         ep = f"expert parallel over {s.world_size} ranks ({s.local_experts} experts here), " if self.group else ""
         return (f"hidden={s.hidden}, intermediate={s.intermediate}, experts={s.experts}, topk={s.topk}, "
                 f"shared_intermediate={s.shared_intermediate}, renormalize={s.renormalize}, {ep}"
-                f"{'torch reference' if self.reference else 'generated kernels'}")
+                f"{'torch reference' if self.reference else 'generated kernels'}"
+                f"{', generated routing' if self.fused_routing and not self.reference else ''}")
