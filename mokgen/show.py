@@ -37,9 +37,8 @@ def format_plan(plan: dict) -> str:
     if "forward_fused" in plan["steps"]:
         out.append(f"          calls with T <= {plan['fused_max_tokens']}: "
                    + " -> ".join(plan["steps"]["forward_fused"]))
-    ep = plan["spec"].get("world_size", 1) > 1  # (its one backward exchanges and recomputes)
     for entry, what in (("forward_train", "training forward (autograd)"), ("backward", "backward"),
-                        ("backward_recompute", "backward (autograd)" if ep else "backward, recompute=True")):
+                        ("backward_recompute", "backward, recompute=True")):
         if entry in plan["steps"]:
             zeroed = plan.get("zeroed", {}).get(entry)
             out.append(f"          {what}: " + " -> ".join(plan["steps"][entry])

@@ -123,8 +123,8 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     make the same calls in the same order (a rank that does not take part is reported as a
     KernelTimeout on the others, never a hang; at the call that makes the workspace, a host
     collective, as RendezvousTimeout after MOKGEN_RENDEZVOUS_TIMEOUT_S seconds, default 300).
-    The group's peer workspace is made by the first call, for max_tokens tokens per rank (default: the largest T of that first call
-    over the group) and recv_rows (token, expert) rows received per rank and call (default:
+    The group's peer workspace is made by the first call, for max_tokens tokens per rank
+    (default: the largest T of that first call over the group) and recv_rows (token, expert) rows received per rank and call (default:
     group size x max_tokens x topk, which no routing exceeds; a smaller bound saves memory, and
     a call whose routing would exceed it is dropped on every rank and reported as InputError).
     Differentiable too: autograd saves the inputs and the SwiGLU inputs in the receive layout

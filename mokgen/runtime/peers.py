@@ -184,7 +184,8 @@ def workspace(variant, group, tokens: int, capacity: int | None, recv_rows: int 
         arrive(group, f"{variant.name}/workspace")  # bounded: a rank that never comes is reported, not waited for
         t = torch.tensor([tokens if capacity is None else capacity, recv_rows or 0], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        capacity, agreed_rows = max(1, int(t[0].item())), int(t[1].item())
+        agreed_tokens, agreed_rows = t.tolist()  # (one copy to the host)
+        capacity = max(1, agreed_tokens)
         ws = _WORKSPACES[key] = PeerWorkspace(variant.plan, group, capacity, device, agreed_rows or None)
     if recv_rows is not None and recv_rows != ws.recv_rows:
         raise InputError(f"{variant.name}: the expert-parallel workspace receives at most {ws.recv_rows} rows per rank "

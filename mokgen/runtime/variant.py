@@ -273,8 +273,8 @@ class Variant:
         """(out, *saved): the forward of autograd. saved (saved_names) is what the backward
         needs besides the inputs: the SwiGLU inputs ga = x @ w_gate^T and gb = x @ w_up^T in
         dispatch's row order (expert parallel: in the receive layout, rows bounded by the peer
-        workspace's receive bound recv_rows), the shared expert's sa, sb (empty without one), and (one GPU)
-        dispatch's tables pos, row_token, tile_expert, counts."""
+        workspace's receive bound recv_rows), the shared expert's sa, sb (empty without one),
+        and (one GPU) dispatch's tables pos, row_token, tile_expert, counts."""
         tokens = x.shape[0]
         out = torch.empty_like(x)
         with torch.cuda.device(x.device):

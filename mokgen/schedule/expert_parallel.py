@@ -50,7 +50,7 @@ from .target import Target
 # The symmetric regions (one symmetric allocation each); ep_peers[r, w] is region r's
 # address on rank w. Peers store into them; the owner reads them. The backward's (ep_grad:
 # output-gradient rows, ep_recv_w / ep_ret_w: a float per row each way) are made by the
-# first backward call (0 in ep_peers until then).
+# first forward under autograd (0 in ep_peers until then).
 REGIONS = ("ep_counts", "ep_flags", "ep_recv", "ep_ret", "ep_ready", "ep_grad", "ep_recv_w", "ep_ret_w")
 BACKWARD_REGIONS = REGIONS[5:]
 # Rows of ep_flags: which message a flag announces.
@@ -211,18 +211,21 @@ def send_in_gemm(gateup: KernelPlan, spec: MoESpec, target: Target, ctas: int) -
     target.sms CTAs, the first ctas of which store the rows into their owners' ep_recv (the
     send kernel's code, templates/ep_rows.py.j2) and then take tiles like the others, so no
     SM idles once the rows are out and no second stream is needed."""
-    E = spec.experts
+    _, [[source, region]], weights, count_ready, _ = FORWARD_SEND  # (the GEMM names its source send_x)
     gateup.params = dict(gateup.params, send_in_gemm=True, send_ctas=ctas, sms=target.sms,
                          ep_rows=peer_rows_params(spec),
-                         ep_send=dict(rows=[["send_x", "ep_recv"]], weights=False, count_ready=True))
-    gateup.args += [KernelArg("send_x", "x", "bf16", ["T", spec.hidden]),
-                    KernelArg("send_token", "send_token", "i32", ["R"]),
-                    KernelArg("send_expert", "send_expert", "i32", ["R"]),
-                    KernelArg("send_shift", "send_shift", "i32", [E]),
-                    KernelArg("counts", "counts", "i32", [E]),
-                    KernelArg("sent", "sent", "i32", [E]),
-                    KernelArg("peers", "ep_peers", "i64", [len(REGIONS), spec.world_size])]
+                         ep_send=dict(rows=[["send_x", region]], weights=weights, count_ready=count_ready))
+    gateup.args += [KernelArg("send_x", source, "bf16", ["T", spec.hidden])] + send_table_args(spec)
     gateup.grid = f"({target.sms},)"
+
+
+def send_table_args(spec: MoESpec) -> list[KernelArg]:
+    """A send's arguments after its rows: the rank's send order (token, expert), each expert's
+    shift on its owner, the rows per expert, the counts so far, the peers' region addresses."""
+    E = spec.experts
+    return [KernelArg("send_token", "send_token", "i32", ["R"]), KernelArg("send_expert", "send_expert", "i32", ["R"]),
+            KernelArg("send_shift", "send_shift", "i32", [E]), KernelArg("counts", "counts", "i32", [E]),
+            KernelArg("sent", "sent", "i32", [E]), KernelArg("peers", "ep_peers", "i64", [len(REGIONS), spec.world_size])]
 
 
 def backward_comm_ctas(spec: MoESpec, target: Target, overrides: dict) -> dict:
@@ -335,8 +338,10 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
     return kernels, decisions, queues, ctas
 
 
-# What a backward send moves (Plan module, rows as (tensor, region), weights, whether it counts
-# each expert's rows for the ready flags, whether it raises the rows flag):
+# What a send moves (Plan module, rows as (tensor, region), weights, whether it counts each
+# expert's rows for the ready flags, whether it raises the rows flag). The forward's: x rows.
+FORWARD_SEND = ("ep", [["x", "ep_recv"]], False, True, True)
+# The backward's:
 #   all:  the recompute path's one send: x and dout rows and the weights;
 #   grad: the saved path's first send, dout rows and weights, which dgrad_down waits for per M tile;
 #   x:    its second, the x rows, which only the weight gradients need (after ep_wait_rows).
@@ -358,17 +363,15 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
     forward's module. send (backward only, BACKWARD_SENDS): "grad" or "x" give that send
     kernel alone (ep_send_bwd_grad, ep_send_bwd_x), in a module of its own."""
     W, E, El, K, H = spec.world_size, spec.experts, spec.local_experts, spec.topk, spec.hidden
-    sent = KernelArg("sent", "sent", "i32", [E])
     wait_threads = 32 * -(-W // 32)
-    module, send_rows, send_weights, count_ready, signal_rows = BACKWARD_SENDS[send] if backward else \
-        ("ep", [["x", "ep_recv"]], False, True, True)
+    module, send_rows, send_weights, count_ready, signal_rows = BACKWARD_SENDS[send] if backward else FORWARD_SEND
     params = dict(peer_rows_params(spec), experts=E, topk=K, tile_m=row_tile, threads=threads, comm_ctas=ctas,
                   return_ctas=return_ctas or target.sms, wait_threads=wait_threads, status_slot=status_slot,
                   wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, bwd=backward,
                   ep_overflow=EP_ERROR + OVERFLOW_KIND * 4096,
                   zero_padding=["ep_recv", "ep_grad"] if backward else [], down_ready=down_ready,
                   send_rows=send_rows, send_weights=send_weights, count_ready=count_ready, signal_rows=signal_rows)
-    peers = KernelArg("peers", "ep_peers", "i64", [len(REGIONS), W])
+    *_, sent, peers = send_table_args(spec)
     state = KernelArg("state", "ep_state", "i32", [len(STATE)])
     flags = KernelArg("flags", "ep_flags", "i32", [len(FLAG_KINDS), W])
     counters = KernelArg("tile_counters", "tile_counters", "i32", [n_counters])
@@ -386,11 +389,7 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
         row_args += [KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("weights", "topk_weights", "f32", ["T", K])]
     moved = " and ".join(f"the {src} rows into {region}" for src, region in send_rows) + (
         ", the weights into ep_recv_w" if send_weights else "")
-    send_kernel = k("ep_send", "send",
-                    row_args + [KernelArg("send_token", "send_token", "i32", ["R"]),
-                                KernelArg("send_expert", "send_expert", "i32", ["R"]),
-                                KernelArg("send_shift", "send_shift", "i32", [E]),
-                                KernelArg("counts", "counts", "i32", [E]), sent, peers, state, counters],
+    send_kernel = k("ep_send", "send", row_args + send_table_args(spec) + [state, counters],
                     f"({ctas},)", threads,
                     [f"every warp: blocks of 32 rows, 16 B per lane: {moved}, on the owners"
                      + ("; per block a fence (system scope) and per-expert counts; the add that completes an expert "

@@ -840,7 +840,7 @@ def backward_support(spec: MoESpec, overrides: dict, paths: str) -> tuple[bool, 
         return False, "backward: not with fuse_gemms: true (the training forward runs the per-GEMM path)"
     if spec.world_size > 1:
         return True, ("backward: generated (expert parallel); autograd saves the inputs and the SwiGLU inputs in "
-                      "the receive layout (2 x rows x I bf16, rows bounded by the workspace capacity), or with "
+                      "the receive layout (2 x rows x I bf16, rows bounded by the workspace's receive bound), or with "
                       "recompute the inputs only; the backward exchanges again (each pair's dout row, weight and x "
                       "row go to the expert's rank) and returns each pair's input gradient and d_topk_weights entry")
     return True, ("backward: generated; autograd saves the forward's inputs and the SwiGLU inputs (x @ w_gate^T, "
@@ -858,10 +858,10 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
     gradients.
 
     Expert parallel (exchange: the backward's exchange kernels, and the SMs of its copies that
-    run beside GEMMs, or None: one after the other): the routed kernels run on the
-    rows this rank receives, whose x and dout rows arrive contiguous (TMA, no gather) with
-    their weights; only steps["backward_recompute"] exists (nothing of the forward's receive
-    layout outlives the call: later layers reuse the workspace)."""
+    run beside GEMMs, or None: one after the other): the routed kernels run on the rows this
+    rank receives, whose x and dout rows arrive contiguous (TMA, no gather) with their
+    weights; the backward lays the rows out again (later layers reuse the workspace), see
+    ep_backward_steps."""
     E, H, I, S = spec.local_experts, spec.hidden, spec.intermediate, spec.shared_intermediate
     ep = spec.world_size > 1
     buffers += [Buffer(n, "bf16", [rows, str(I)]) for n in ("ga", "gb", "g", "da", "db", "hw")]
