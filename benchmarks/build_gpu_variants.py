@@ -11,7 +11,7 @@ from mokgen.codegen.build import build_profiling
 from mokgen.ir import PRESETS, MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_golden_gpu import (BROKEN_BUILDS, FUSED_OVERRIDES, SAME_BITS_EXPERIMENTS, SHAPES,  # noqa: E402
+from test_golden_gpu import (BROKEN_BUILDS, FUSED_OVERRIDES, SAME_BITS_EXPERIMENTS, SHAPES, WAVE_OVERRIDES,  # noqa: E402
                              deadlock_dir, experiment_dir, fused_dir, spec_of)
 
 force = "--force" in sys.argv
@@ -29,6 +29,19 @@ for i, spec in enumerate(specs + ep_specs):
 # golden worker and ep_bench --variants run it from this directory (MOKGEN_HOME).
 build(ep_specs[0], default_out() / "experiments" / "ep_gemm_sends", overrides={"gemm_sends": True}, force=force,
       log=lambda m: None)
+# Expert parallel without the single launch (every call on the per-GEMM path): ep_bench --variants
+# times it beside the default build, whose small calls run the single launch.
+build(ep_specs[0], default_out() / "experiments" / "ep_multi", overrides={"fuse_gemms": False}, force=force,
+      log=lambda m: None)
+# The single launch's tile order: every gate/up tile first (wave lag 0), and a shorter lag than
+# the default's two rounds of CTAs (ep_bench --variants); one GPU, the wavefront order in its
+# fused launch (compare_experiment.py wave).
+for lag in (0, 12):
+    build(ep_specs[0], default_out() / "experiments" / f"ep_lag{lag}", overrides={"gemm_fused.wave_lag": lag},
+          force=force, log=lambda m: None)
+for shape in (SHAPES[0], SHAPES[3]):
+    build(spec_of(shape), default_out() / "experiments" / "wave", overrides=WAVE_OVERRIDES, force=force,
+          log=lambda m: None)
 print(f"[{len(specs) + len(ep_specs) + 1}/{len(specs) + len(ep_specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)
 for name, (overrides, *_) in BROKEN_BUILDS.items():
     build(spec_of(SHAPES[0]), deadlock_dir(name), overrides=overrides, force=force, log=lambda m: None)

@@ -8,7 +8,7 @@ not favour whichever ran first.
     python benchmarks/compare_experiment.py NAME [--variant V] [--tokens T,T,...]
                                             [--rounds R] [--json PATH]
 
-NAME is fused, cluster2 or chunked; V defaults to the OLMoE layer.
+NAME is fused, cluster2, chunked or wave; V defaults to the OLMoE layer.
 """
 import argparse
 import json

@@ -217,22 +217,33 @@ def main():
             if a.host_profile:
                 host_profile(run, rank)
             ms_torch = timed(lambda: torch_ep(x, ids, w, w13, wd, E, group))
+            if a.variants:  # the default build called like the others (no input checks): the same footing
+                mine = workspace(v, group, T, max(tokens))
+                t_direct = timed(lambda: v.forward(x, ids, w, wg, wu, wd, peers=mine))
+                if rank == 0:
+                    print(f"   default build, called directly: {t_direct:.3f} ms (from a CUDA graph "
+                          f"{ms_graph:.3f} ms)", flush=True)
             for path in filter(None, a.variants.split(",")):
                 other = mokgen.load(path)
                 peers = workspace(other, group, T, max(tokens))
                 t_other = timed(lambda: other.forward(x, ids, w, wg, wu, wd, peers=peers))
                 diff = (other.forward(x, ids, w, wg, wu, wd, peers=peers).float() - run().float()).abs().max().item()
+                other_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(other_graph):
+                    other.forward(x, ids, w, wg, wu, wd, peers=peers)
+                t_other_graph = timed(other_graph.replay)
                 kt_o = kernel_times(other, lambda: other.forward(x, ids, w, wg, wu, wd, peers=peers),
-                                    ["ep_send", "gemm_gateup", "gemm_down", "ep_return"])
+                                    ["ep_send", "gemm_gateup", "gemm_down", "ep_return", "gemm_fused"])
                 if rank == 0:
-                    print(f"   {path}: {t_other:.3f} ms ({ms_torch / t_other:.2f}x torch EP), max |diff| vs the "
+                    print(f"   {path}: {t_other:.3f} ms, from a CUDA graph {t_other_graph:.3f} ms "
+                          f"({ms_torch / t_other:.2f}x / {ms_torch / t_other_graph:.2f}x torch EP), max |diff| vs the "
                           f"default build {diff:.1e}; decisions: {other.plan['overrides']}; kernels (ms): "
                           + ", ".join(f"{k} {t:.3f}" for k, t in kt_o.items()), flush=True)
             err = (run().float() - torch_ep(x, ids, w, w13, wd, E, group).float()).norm().item() / \
                 torch_ep(x, ids, w, w13, wd, E, group).float().norm().item()
             kt = kernel_times(v, run, ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "ep_send",
                                        "ep_return", "ep_wait_rows", "ep_wait_returns", "gemm_gateup",
-                                       "gemm_down", "combine"])
+                                       "gemm_down", "gemm_fused", "combine"])
             # the same local work on one GPU (every rank does it alone, at once)
             wg1 = torch.randn(E, I, H, device="cuda", generator=g).bfloat16()
             wu1, wd1 = torch.randn_like(wg1), torch.randn(E, H, I, device="cuda", generator=g).bfloat16()
@@ -246,10 +257,11 @@ def main():
                    mokgen_tflops_per_gpu=fl / ms / 1e9, torch_tflops_per_gpu=fl / ms_torch / 1e9,
                    single_gpu_ms=ms_single, per_gpu_vs_single=ms_single / ms, rel_diff_vs_torch=err,
                    kernels_ms=kt, nvlink_bytes_each_way=peer_bytes.item(),
-                   # the send runs inside the gate/up GEMM's launch where the Plan has no ep_send
-                   send_gbs=peer_bytes.item() / kt.get("ep_send", kt["gemm_gateup"]) / 1e6,
-                   # the return runs inside the down GEMM's launch unless the Plan has ep_return
-                   return_gbs=peer_bytes.item() / kt.get("ep_return", kt["gemm_down"]) / 1e6)
+                   # the send runs inside the gate/up GEMM's launch where the Plan has no ep_send, the
+                   # return inside the down GEMM's unless it has ep_return; small calls run both inside
+                   # the single launch (gemm_fused): rates over the launch that moved the rows
+                   send_gbs=peer_bytes.item() / kt.get("ep_send", kt.get("gemm_gateup", kt.get("gemm_fused"))) / 1e6,
+                   return_gbs=peer_bytes.item() / kt.get("ep_return", kt.get("gemm_down", kt.get("gemm_fused"))) / 1e6)
         rows.append(row)
         if rank == 0:
             print(f"T={T}/rank  mokgen {ms:.3f} ms ({row['mokgen_tflops_per_gpu']:.0f} TF/s/GPU)  torch EP "

@@ -117,6 +117,30 @@ def main():
     case("uneven", 513 if rank == 0 else 7, "uniform")
     case("one rank empty", 0 if rank == world - 1 else 300, "skewed")
     case("20 runs, same bits", min(4096, cap), "skewed", runs=20)
+    # Small calls run the single launch (send, GEMMs and return in one kernel), larger ones the
+    # per-GEMM path; ranks may take different ones in one call, and both give the same bits.
+    from mokgen.runtime import find_variant
+
+    v = find_variant(E, K, H, I, S, world_size=world)
+    small = min(1024, cap, v.plan.get("fused_max_tokens", 0))
+    if small:
+        case("20 runs, same bits, 1 launch", small, "skewed", runs=20)
+        case("mixed paths", small if rank == 0 else cap, "skewed")
+        x = torch.randn(small, H, device="cuda", generator=gen).bfloat16()
+        ids, w = routing(small, E, K, "skewed", rank, world, gen)
+        with torch.no_grad():
+            one = mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, max_tokens=cap, **shared)
+            bound = v.plan["fused_max_tokens"]
+            v.plan["fused_max_tokens"] = 0  # this call: the per-GEMM path
+            try:
+                multi = mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, max_tokens=cap, **shared)
+            finally:
+                v.plan["fused_max_tokens"] = bound
+            mokgen.check_errors()
+        same = torch.equal(one, multi)
+        failures += not same
+        print(f"rank {rank} {'1 launch = per-GEMM path':28s} T={small:<5d} skewed   same_bits={same} "
+              f"{'ok' if same else 'FAIL'}", flush=True)
 
     # captured once in a CUDA graph, replayed with new inputs (the flags' epoch lives on the
     # device, so a replay needs nothing from the host)
@@ -145,7 +169,6 @@ def main():
                   flush=True)
 
     # ---- backward: every gradient against float64 autograd of the global layer ----------
-    from mokgen.runtime import find_variant
     from mokgen.verify import gradient_error
 
     find_variant(E, K, H, I, S, world_size=world).poison = True  # per-call buffers and gradients start NaN

@@ -220,6 +220,31 @@ def test_gate_up_launch_that_sends_its_rows_compiles(tmp_path):
         assert "HGMMA" in sass and "UTMALDG" in sass and not any(op in sass for op in ("LDL", "STL")), name
 
 
+def test_expert_parallel_single_launch_compiles(tmp_path):
+    """The expert-parallel single launch (send, gate/up, down and return in one kernel) and the
+    layout that prepares it: HGMMA and TMA without spills; peer stores fenced and announced at
+    system scope; the rows' ready flags acquired at system scope."""
+    import sys
+
+    from mokgen.codegen.render import render, write_tree
+    from mokgen.schedule import make_plan
+
+    plan = make_plan(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2, topology="nvlink"))
+    assert "forward_fused" in plan.steps
+    write_tree(render(plan), tmp_path / "v")
+    subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / "v"), str(tmp_path / "b"),
+                    "gemm_fused", "ep_layout"], check=True, capture_output=True)
+    ptx = (tmp_path / "b" / "gemm_fused.ptx").read_text()
+    assert "fence.acq_rel.sys" in ptx and "st.release.sys" in ptx and "ld.acquire.sys.global" in ptx
+    assert "st.global.v4" in ptx  # rows go out 16 B at a time
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed")
+    sass = subprocess.run([tool, str(tmp_path / "b" / "gemm_fused.cubin")], capture_output=True, text=True,
+                          check=True).stdout
+    assert "HGMMA" in sass and "UTMALDG" in sass and not any(op in sass for op in ("LDL", "STL"))
+
+
 @pytest.mark.parametrize("world", [4, 8, 72])
 def test_exchange_compiles_for_larger_nvlink_domains(tmp_path, world):
     """N=4 and N=8 (the DeepSeek-V3 layer) and an NVL72 domain are planned and their exchange,

@@ -81,7 +81,7 @@ def test_expert_parallel_plan_moves_rows_through_peer_queues():
     assert "ep_wait_rows" in serial.steps["forward"] and not serial.side_stream
     assert "ep_return" in serial.steps["forward"] and not serial.kernel("gemm_down").params.get("ep_return")
     assert not serial.kernel("gemm_gateup").params.get("ep_ready")
-    assert "forward_fused" not in p.steps
+    assert "forward_fused" not in serial.steps  # the single launch sends and returns inside the GEMMs
     mem = {b.name: b.memory for b in p.buffers}
     assert {n for n, m in mem.items() if m == "symmetric"} == {"ep_counts", "ep_flags", "ep_recv", "ep_ret", "ep_ready",
                                                                "ep_grad", "ep_recv_w", "ep_ret_w"}
@@ -205,7 +205,44 @@ def test_expert_parallel_plans_for_an_nvl72_domain_and_takes_comm_sms():
     with pytest.raises(PlanError, match="comm_sms"):
         make_plan(EP2, overrides={"comm_sms": 500})
     with pytest.raises(PlanError, match="not generated for world_size > 1"):
+        make_plan(EP2, overrides={"cluster_m": 2})
+    with pytest.raises(PlanError, match="fuse_gemms: true is not generated for several GPUs"):
         make_plan(EP2, overrides={"fuse_gemms": True})
+
+
+def test_expert_parallel_small_calls_run_one_launch_between_layout_and_combine():
+    """Up to fused_max_tokens tokens per rank the forward is dispatch, publish, layout, one GEMM
+    launch that sends, computes gate/up and down and returns, the wait and the combine; no
+    second stream. The layout zeroes the launch's per-M-tile counts and writes its tile range."""
+    p = make_plan(EP2)
+    assert p.steps["forward_fused"] == ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "gemm_fused",
+                                        "ep_wait_returns", "combine"]
+    assert p.fused_max_tokens > 0 and not set(p.steps["forward_fused"]) & set(p.side_stream)
+    k = p.kernel("gemm_fused")
+    assert k.params["fused"] and k.params["ep_ready"] and k.params["send_in_gemm"] and k.params["ep_return"]
+    assert k.params["return_ctas"] == 0 and not k.params["combine"] and k.params["sms"] == 132 and k.grid == "(132,)"
+    assert k.params["send_ctas"] == p.kernel("ep_send").params["comm_ctas"]
+    # the template's argument order: ..., h, the send's tables, y, h_ready, the return's tables
+    names = [a.tensor for a in k.args]
+    assert names.index("h") < names.index("send_token") < names.index("y") < names.index("h_ready") \
+        < names.index("recv_off") and names.count("ep_peers") == 1 and names[0] == "ep_recv"
+    assert "down_ready" not in names  # each down tile returns its own part: nothing to count
+    # wavefront order: about two rounds of the launch's CTAs of gate/up tiles ahead of the down tiles
+    assert k.params["wave_lag"] == 33 and k.params["tile_n"] == 128
+    layout = p.kernel("ep_layout")
+    assert "h_ready" in {a.tensor for a in layout.args} and layout.params["used_slot"] == k.params["used_slot"]
+    assert not p.kernel("dispatch_scatter").params["fused"]  # (dispatch makes the send order here)
+    mem = {b.name: b.memory for b in p.buffers}
+    assert mem["h_ready"] == mem["down_ready"] == "persistent"
+    assert any(d.startswith("gemm_fused (expert parallel") for d in p.decisions)
+    # left out: on request, without overlap, and (for now) with a shared expert
+    off = make_plan(EP2, overrides={"fuse_gemms": False})
+    assert "forward_fused" not in off.steps and "gemm_fused" not in {x.name for x in off.kernels}
+    assert "h_ready" not in {a.tensor for a in off.kernel("ep_layout").args}
+    shared = make_plan(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=512,
+                               world_size=2, topology="nvlink"))
+    assert "forward_fused" not in shared.steps and any("shared expert's tiles" in d for d in shared.decisions)
+    assert "forward_fused" not in make_plan(EP2, overrides={"gemm_returns": False}).steps
 
 
 def test_tiling_decisions():

@@ -81,3 +81,21 @@ def test_the_single_launch_claims_its_tiles_in_the_task_graph_order():
                                        for k in plan.task_graph["kinds"]])
     with pytest.raises(ValueError, match="down tiles wait on gateup tiles"):
         fused_tile_order(bad)
+
+
+@pytest.mark.parametrize("used_m,lag", [(0, 33), (1, 33), (32, 33), (33, 33), (100, 33), (100, 1), (7, 3)])
+def test_wavefront_order_claims_every_tile_once_and_each_down_tile_after_its_gate_up_tiles(used_m, lag):
+    from mokgen.schedule.taskgraph import wavefront_tile
+
+    ng, nd = 8, 8
+    order = [wavefront_tile(t, used_m, ng, nd, lag) for t in range(used_m * (ng + nd))]
+    assert sorted(order) == sorted([("gateup", m, n) for m in range(used_m) for n in range(ng)]
+                                   + [("down", m, n) for m in range(used_m) for n in range(nd)])
+    seen = {}
+    for i, (kind, m, n) in enumerate(order):
+        if kind == "down":
+            assert seen.get(m, 0) == ng, (i, m)  # all its gate/up tiles were claimed before
+        else:
+            seen[m] = seen.get(m, 0) + 1
+    if used_m > lag:  # the first down tile comes after lag M tiles of gate/up tiles, not after all
+        assert order.index(("down", 0, 0)) == (lag + 1) * ng

@@ -71,9 +71,8 @@ EP_THREADS = 256
 # the GEMMs beside them most. The forward's send: 2.00 / 2.03 / 2.07 ms, so it keeps 256.
 EP_BWD_THREADS = 512
 MAX_WORLD = 1024
-# Plan overrides this module reads; a fused launch, clusters and profiling builds are not
-# generated for several GPUs yet.
-UNSUPPORTED = ("fuse_gemms", "cluster_m", "profile", "dispatch_chunked")
+# Plan overrides clusters and profiling builds are not generated for several GPUs yet.
+UNSUPPORTED = ("cluster_m", "profile", "dispatch_chunked")
 # Copies that run beside a GEMM (the forward's send beside gate/up; the backward's send
 # beside the recompute GEMM and its return beside the weight gradients) take a few SMs, the
 # GEMM the rest: how many, the cost model below decides (Plan overrides comm_sms,
@@ -205,6 +204,56 @@ def return_in_gemm(down: KernelPlan, spec: MoESpec, target: Target, overrides: d
     return n, why
 
 
+def fused_misfit_ep(spec: MoESpec, overrides: dict, tile_n: int) -> str | None:
+    """Why the single launch (send, gate/up, down, return in one kernel) is not built for this
+    expert-parallel layer whose gate/up tiles are tile_n wide (None: it is)."""
+    from .plan import fused_misfit  # (plan imports this module lazily)
+
+    if not overlapped(overrides) or not gemm_returns(overrides):
+        return "the single launch sends and returns inside the GEMM launch: it needs ep_overlap and gemm_returns"
+    if spec.shared_intermediate:
+        return "the expert-parallel single launch does not run a shared expert's tiles yet"
+    if 2 * tile_n != 32 * VEC:
+        return (f"the single launch returns a down tile's rows one 16-byte piece per lane: it needs {2 * tile_n}-wide "
+                f"down tiles to be {32 * VEC} wide")
+    return fused_misfit(spec.hidden, spec.intermediate, 0, tile_n)
+
+
+# The single launch: the rows of a down tile a consumer lane loads before it stores them to
+# their source ranks (16 bytes each).
+RETURN_ROW_BATCH = 8
+
+
+def make_single_launch(fused: KernelPlan, spec: MoESpec, target: Target, send_ctas: int, overrides: dict) -> str:
+    """Turn the fused gate/up + down launch (built from a gate/up GEMM that waits per M tile for
+    its rows, overlap_gemm) into the expert-parallel single launch: its first send_ctas CTAs
+    send this rank's rows (send_in_gemm), every CTA then takes tiles, claimed in wavefront order
+    (the gate/up tiles of wave_lag M tiles ahead of the down tiles: about two rounds of the
+    launch's CTAs, so a down tile rarely waits), and each down tile's CTA returns the tile's
+    columns of its rows itself once they are stored (ep_return per tile: no return CTAs, no
+    counter, no wait). One launch of target.sms CTAs, all resident, so no CTA that sends or that
+    others wait on is ever held out. Returns the Plan's decision text."""
+    W = spec.world_size
+    send_in_gemm(fused, spec, target, send_ctas)
+    wave_lag = overrides.get("gemm_fused.wave_lag", -(-2 * target.sms // (spec.intermediate // fused.params["tile_n"])))
+    if not isinstance(wave_lag, int) or isinstance(wave_lag, bool) or wave_lag < 0:
+        raise PlanError(f"gemm_fused.wave_lag={wave_lag!r} must be an integer >= 0 (0: every gate/up tile first)")
+    fused.params = dict(fused.params, ep_return=True, return_ctas=0, ep_rows=peer_rows_params(spec),
+                        wave_lag=wave_lag, return_row_batch=RETURN_ROW_BATCH)
+    fused.args += [KernelArg("recv_off", "recv_off", "i32", [spec.local_experts, W + 1]),
+                   KernelArg("src_start", "src_start", "i32", [W, spec.local_experts]),
+                   KernelArg("ep_state", "ep_state", "i32", [len(STATE)])]  # (peers: among the send's arguments)
+    fused.warp_roles = fused.warp_roles + [f"CTAs 0..{send_ctas - 1}: every warp first sends rows to the owners",
+                                           "consumer warps, after each down tile: return its columns of its rows"]
+    return (f"gemm_fused (expert parallel; calls up to the fused path's token bound): one launch of {target.sms} CTAs "
+            f"between layout and combine: its first {send_ctas} CTAs send this rank's rows, then every CTA takes "
+            f"tiles in wavefront order (gate/up tiles {wave_lag} M tiles ahead of the down tiles, about two rounds "
+            "of the launch's CTAs: a gate/up tile waits for its expert's rows from every rank, a down tile on "
+            "h_ready); each down tile's consumer warps return its columns of its rows to their source ranks once "
+            "its stores are complete, so the return is spread over the down tiles with no CTA set aside and "
+            "nothing to wait for")
+
+
 def send_in_gemm(gateup: KernelPlan, spec: MoESpec, target: Target, ctas: int) -> None:
     """Make a gate/up GEMM that waits per M tile for its rows (overlap_gemm) send this rank's
     rows itself (templates/grouped_gemm_persistent.py.j2, send_in_gemm): one launch of
@@ -215,7 +264,9 @@ def send_in_gemm(gateup: KernelPlan, spec: MoESpec, target: Target, ctas: int) -
     gateup.params = dict(gateup.params, send_in_gemm=True, send_ctas=ctas, sms=target.sms,
                          ep_rows=peer_rows_params(spec),
                          ep_send=dict(rows=[["send_x", region]], weights=weights, count_ready=count_ready))
-    gateup.args += [KernelArg("send_x", source, "bf16", ["T", spec.hidden])] + send_table_args(spec)
+    # after the output h (the single launch's y comes after them; templates/grouped_gemm_persistent.py.j2)
+    at = next(i for i, a in enumerate(gateup.args) if a.name == "c") + 1
+    gateup.args[at:at] = [KernelArg("send_x", source, "bf16", ["T", spec.hidden])] + send_table_args(spec)
     gateup.grid = f"({target.sms},)"
 
 
@@ -299,14 +350,18 @@ def ep_backward_buffers(spec: MoESpec, row_tile: int) -> list[Buffer]:
 
 
 def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
-               wait_timeout_ns: int, overrides: dict) -> tuple[list[KernelPlan], list[str], list[dict], int]:
-    """(kernels, decisions, queues, communication CTAs) of the forward's exchange stages."""
+               wait_timeout_ns: int, overrides: dict,
+               used_slot: int | None = None) -> tuple[list[KernelPlan], list[str], list[dict], int]:
+    """(kernels, decisions, queues, communication CTAs) of the forward's exchange stages.
+    used_slot: the Plan has the single launch; layout writes its number of used M tiles there
+    and zeroes its per-M-tile counts (h_ready)."""
     W, E, El, K, H = spec.world_size, spec.experts, spec.local_experts, spec.topk, spec.hidden
     if W > MAX_WORLD:
         raise PlanError(f"world_size={W}: at most {MAX_WORLD} ranks are planned")
     ctas, why = comm_ctas(spec, target, overrides)
     kernels = exchange_kernels(spec, target, row_tile, n_counters, status_slot, wait_timeout_ns, ctas,
-                               threads=comm_threads(overrides), down_ready=gemm_returns(overrides))
+                               threads=comm_threads(overrides), down_ready=gemm_returns(overrides),
+                               used_slot=used_slot)
     rows = _expr(received_tiles(spec, row_tile) * row_tile)
     order = ("send order local-expert-major (every rank sends every owner's local expert 0 first, then 1, ...): "
              "each owner's GEMM walks its M tiles in that order")
@@ -355,7 +410,7 @@ BACKWARD_SENDS = {
 def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
                      wait_timeout_ns: int, ctas: int, backward: bool = False,
                      return_ctas: int | None = None, threads: int = EP_THREADS,
-                     down_ready: bool = False, send: str = "all") -> list[KernelPlan]:
+                     down_ready: bool = False, send: str = "all", used_slot: int | None = None) -> list[KernelPlan]:
     """The exchange kernels (templates/ep_exchange.py.j2), of the forward or of the backward.
     The backward's (module ep_bwd: layout, send and return, named *_bwd) also move each row's
     output gradient and routing weight to the expert's rank, zero the received padding rows,
@@ -370,6 +425,7 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
                   wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, bwd=backward,
                   ep_overflow=EP_ERROR + OVERFLOW_KIND * 4096,
                   zero_padding=["ep_recv", "ep_grad"] if backward else [], down_ready=down_ready,
+                  h_ready=used_slot is not None, used_slot=used_slot or 0,
                   send_rows=send_rows, send_weights=send_weights, count_ready=count_ready, signal_rows=signal_rows)
     *_, sent, peers = send_table_args(spec)
     state = KernelArg("state", "ep_state", "i32", [len(STATE)])
@@ -403,7 +459,8 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
            KernelArg("send_shift", "send_shift", "i32", [E]), recv_off, src_start,
            KernelArg("tile_expert", "tile_expert", "i32", ["MT"]), KernelArg("row_token", "row_token", "i32", ["M"]),
            sent, peers, KernelArg("recv_counts", "recv_counts", "i32", [El])]
-          + ([KernelArg("down_ready", "down_ready", "i32", ["MT"])] if down_ready else []),
+          + ([KernelArg("down_ready", "down_ready", "i32", ["MT"])] if down_ready else [])
+          + ([KernelArg("h_ready", "h_ready", "i32", ["MT"])] if used_slot is not None else []),
           f"({E},)", threads,
           ["all warps: wait for every rank's counts, then for global expert e: where this rank's rows of e land "
            "on e's owner; the owner's CTAs also write the receive layout (tile table, valid rows, segments)"

@@ -8,6 +8,7 @@ the reason in `decisions`. Templates read their numbers from here and nowhere el
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -278,8 +279,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     decisions.append(why)
     fuse = paths != "multi"  # the Plan has the fused launch (and dispatch feeds it)
     # The fused launch combines too, except in a profiling build (which times the combine
-    # as its own kernel).
-    fused_combine = fuse and not (overrides or {}).get("profile")
+    # as its own kernel; expert parallel: the combine reads the returned rows after the wait).
+    fused_combine = fuse and not ep and not (overrides or {}).get("profile")
     # tile_counters, one place for every slot; dispatch_count zeroes them all, so no extra
     # launch or memset per call:
     #   one tile counter per grouped GEMM (its tile scheduler claims tiles from it);
@@ -358,11 +359,11 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                     KernelArg("row_token", "send_token" if ep else "row_token", "i32", ["M"]),
                     KernelArg("tile_expert", "send_expert" if ep else "tile_expert", "i32", ["MT"]),
                     KernelArg("tile_counters", "tile_counters", "i32", [n_counters])]
-                   + ([KernelArg("h_ready", "h_ready", "i32", ["MT"])] if fuse else []),
+                   + ([KernelArg("h_ready", "h_ready", "i32", ["MT"])] if fuse and not ep else []),
                    grid=f"({d_experts},)", block=dispatch_threads,
                    warp_roles=["all warps: stable compaction of one expert's pairs (block scan)"]),
     ]
-    dparams.update(fused=fuse, used_slot=used_slot)
+    dparams.update(fused=fuse and not ep, used_slot=used_slot)  # expert parallel: layout writes them
     if (overrides or {}).get("dispatch_chunked"):
         kernels[-2:] = chunked_dispatch(kernels[-2:], dparams, K, E, buffers)
         decisions.append(f"dispatch: O(T*K), one CTA of {CHUNK_THREADS} threads per {CHUNK_PAIRS} pairs; per-chunk "
@@ -461,6 +462,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if expert_parallel.overlapped(overrides or {}):
             send_ctas = expert_parallel.comm_ctas(spec, target, overrides or {})[0]
             expert_parallel.overlap_gemm(gateup, spec, target, send_ctas)
+            waiting_gateup = copy.deepcopy(gateup)  # what the single launch starts from
             if expert_parallel.gemm_sends(overrides or {}):
                 expert_parallel.send_in_gemm(gateup, spec, target, send_ctas)
     else:
@@ -478,9 +480,21 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         kernels += [gateup, down]
         steps["forward"] = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"] + \
             (["shared_gateup", "shared_down"] if S else [])
-    if fuse:
+    if fuse and ep:  # send, gate/up, down and return in one launch
+        fused = fused_gemm(waiting_gateup, H, I, E, used_slot, target, 0, 0, gemm_names.index("gemm_fused"), None, K,
+                           bool((overrides or {}).get("debug_break_dependency")))
+        decisions.append(expert_parallel.make_single_launch(fused, spec, target, send_ctas, overrides or {}))
+        kernels.append(fused)
+        buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)], memory="persistent"))
+    elif fuse:
         kernels.append(fused_gemm(gateup, H, I, E, used_slot, target, S, shared_slot, gemm_names.index("gemm_fused"),
                                   done_slot, K, bool((overrides or {}).get("debug_break_dependency"))))
+        lag = (overrides or {}).get("gemm_fused.wave_lag", 0)
+        if lag and S:
+            raise PlanError("gemm_fused.wave_lag: the wavefront tile order is not generated with a shared expert")
+        if lag < 0:
+            raise PlanError(f"gemm_fused.wave_lag={lag} must be >= 0 (0: every gate/up tile first)")
+        kernels[-1].params["wave_lag"] = lag
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
         steps["forward_fused" if paths == "by_tokens" else "forward"] = ["dispatch_count", "dispatch_scatter",
                                                                            "gemm_fused"]
@@ -532,7 +546,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     if ep:
         ep_ks, ep_why, queues, ctas = expert_parallel.ep_kernels(
             spec, target, row_tile, n_counters, status_slot,
-            int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000, overrides or {})
+            int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000, overrides or {},
+            used_slot if fuse else None)
         kernels += ep_ks
         decisions += ep_why
         sm_roles = ({"compute": target.sms - ctas, "communication": ctas} if expert_parallel.overlapped(overrides or {})
@@ -543,6 +558,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         sends = expert_parallel.gemm_sends(overrides or {})  # the gate/up launch sends the rows itself
         head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout"] + ([] if sends else ["ep_send"]) \
             + shared_steps
+        if fuse:  # small calls: the single launch sends, computes and returns
+            steps["forward_fused"] = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "gemm_fused",
+                                      "ep_wait_returns", "combine"]
         if expert_parallel.overlapped(overrides or {}):  # the send beside gate/up, which waits per M tile
             steps["forward"] = head + ["gemm_gateup", "gemm_down"] + ([] if gemm_returns else ["ep_return"]) \
                 + ["ep_wait_returns", "combine"]
@@ -625,7 +643,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         decisions=decisions,
         overrides=dict(overrides or {}),
         task_graph=task_graph,
-        fused_max_tokens=FUSED_MAX_TOKENS if paths == "by_tokens" else 0,
+        fused_max_tokens=(EP_FUSED_MAX_TOKENS if ep else FUSED_MAX_TOKENS) if paths == "by_tokens" else 0,
         zeroed={"backward": ["tile_counters"]} if backward else {},
         side_stream=side_stream,
     )
@@ -637,13 +655,31 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 # (docs/perf.md, "The shared expert inside the fused launch"): the fused launch is 1.0-1.5x
 # the multi-kernel path up to T=1024 and 0.96-1.0x from T=4096 on the bench layers.
 FUSED_MAX_TOKENS = 2048
+# Expert parallel: tokens per rank up to which a call runs the single launch (send, GEMMs and
+# return in one kernel). Measured on 2 H200s (E64 K8 H2048 I1024, docs/perf.md, "Expert
+# parallelism: send, both GEMMs and the return in one launch"), from a CUDA graph: 1.05x /
+# 1.05x / 1.04x the per-GEMM path at 64 / 256 / 1024 tokens per rank, 0.98x at 2048.
+EP_FUSED_MAX_TOKENS = 1024
 
 
 def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict | None, cluster_m: int):
     """("multi" | "fused" | "by_tokens", why): which GEMM paths the forward is built with."""
     ov = overrides or {}
     if spec.world_size > 1:
-        return "multi", "GEMM path: one launch per GEMM (the single launch is not generated for several GPUs yet)"
+        from . import expert_parallel
+
+        if ov.get("fuse_gemms") is True:  # the training forward and the backward build on the per-GEMM path
+            raise PlanError("fuse_gemms: true is not generated for several GPUs: the single launch is built beside "
+                            "the per-GEMM path by default (fuse_gemms: false leaves it out)")
+        tn = choose_gemm_tiling(spec.intermediate, spec.hidden, "swiglu", target, row_tile, False,
+                                ov.get("gemm_gateup.tile_n"), ov.get("gemm_gateup.epi_stages"))["tile_n"]
+        unfit = expert_parallel.fused_misfit_ep(spec, ov, tn)
+        if unfit:
+            return "multi", f"GEMM path: one launch per GEMM ({unfit})"
+        if ov.get("fuse_gemms") is not False:
+            return "by_tokens", (f"GEMM paths: calls with T <= {EP_FUSED_MAX_TOKENS} tokens per rank run the single "
+                                 "launch (send, gate/up, down and return in one kernel), larger ones the send kernel "
+                                 "beside one launch per GEMM (measured crossover, docs/perf.md)")
     if ov.get("fuse_gemms") is True:
         return "fused", "GEMM path: one fused launch (override fuse_gemms)"
     if ov.get("fuse_gemms") is False:
@@ -755,7 +791,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
-                           r"|gemm_gateup\.gather_lag")
+                           r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
 
 
 def check_overrides(overrides: dict) -> None:

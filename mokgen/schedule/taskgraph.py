@@ -78,6 +78,26 @@ def fused_tile_order(task_graph: dict) -> list[str]:
     return order
 
 
+def wavefront_tile(tile: int, used_m: int, n_gateup: int, n_down: int, lag: int) -> tuple[str, int, int]:
+    """(kind, M tile, N tile) of the single launch's claimed tile index `tile` in wavefront
+    order (templates/grouped_gemm_persistent.py.j2, fused_tile_at, computes the same): the
+    gate/up tiles of the first `lag` M tiles, then per step j the gate/up tiles of M tile
+    j + lag followed by the down tiles of M tile j, then the remaining down tiles. Every down
+    tile comes after all gate/up tiles of its M tile (it waits on them: no deadlock), and down
+    tiles start after about `lag` M tiles of gate/up tiles instead of after all of them."""
+    lag = min(lag, used_m)
+    mixed = used_m - lag
+    step = n_gateup + n_down
+    if tile < lag * n_gateup:
+        return "gateup", tile // n_gateup, tile % n_gateup
+    rest = tile - lag * n_gateup
+    if rest < mixed * step:
+        j, w = divmod(rest, step)
+        return ("gateup", lag + j, w) if w < n_gateup else ("down", j, w - n_gateup)
+    rest -= mixed * step
+    return "down", mixed + rest // n_down, rest % n_down
+
+
 def gemm_model_params(params_by_kernel: dict) -> dict:
     """Kernel params by name, with the fused routed GEMM (if the Plan has one) seen as the
     gate/up and down GEMMs it runs, which is what the cost model prices."""
