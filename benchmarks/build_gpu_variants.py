@@ -39,6 +39,9 @@ build(ep_specs[0], default_out() / "experiments" / "ep_multi", overrides={"fuse_
 for lag in (0, 12):
     build(ep_specs[0], default_out() / "experiments" / f"ep_lag{lag}", overrides={"gemm_fused.wave_lag": lag},
           force=force, log=lambda m: None)
+# The single launch that also waits for the returned rows and combines them.
+build(ep_specs[0], default_out() / "experiments" / "ep_fused_combine", overrides={"ep_fused_combine": True},
+      force=force, log=lambda m: None)
 for shape in (SHAPES[0], SHAPES[3]):
     build(spec_of(shape), default_out() / "experiments" / "wave", overrides=WAVE_OVERRIDES, force=force,
           log=lambda m: None)

@@ -229,11 +229,14 @@ def test_expert_parallel_single_launch_compiles(tmp_path):
     from mokgen.codegen.render import render, write_tree
     from mokgen.schedule import make_plan
 
-    plan = make_plan(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2, topology="nvlink"))
-    assert "forward_fused" in plan.steps
-    write_tree(render(plan), tmp_path / "v")
-    subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / "v"), str(tmp_path / "b"),
-                    "gemm_fused", "ep_layout"], check=True, capture_output=True)
+    spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2, topology="nvlink")
+    # the default, and the one that also combines (override ep_fused_combine)
+    for d, overrides in (("plain", {}), ("", {"ep_fused_combine": True})):
+        plan = make_plan(spec, overrides=overrides)
+        assert "forward_fused" in plan.steps
+        write_tree(render(plan), tmp_path / f"v{d}")
+        subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / f"v{d}"),
+                        str(tmp_path / f"b{d}"), "gemm_fused", "ep_layout"], check=True, capture_output=True)
     ptx = (tmp_path / "b" / "gemm_fused.ptx").read_text()
     assert "fence.acq_rel.sys" in ptx and "st.release.sys" in ptx and "ld.acquire.sys.global" in ptx
     assert "st.global.v4" in ptx  # rows go out 16 B at a time

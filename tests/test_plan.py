@@ -220,7 +220,15 @@ def test_expert_parallel_small_calls_run_one_launch_between_layout_and_combine()
     assert p.fused_max_tokens > 0 and not set(p.steps["forward_fused"]) & set(p.side_stream)
     k = p.kernel("gemm_fused")
     assert k.params["fused"] and k.params["ep_ready"] and k.params["send_in_gemm"] and k.params["ep_return"]
-    assert k.params["return_ctas"] == 0 and not k.params["combine"] and k.params["sms"] == 132 and k.grid == "(132,)"
+    assert k.params["return_ctas"] == 0 and k.params["sms"] == 132 and k.grid == "(132,)"
+    assert not k.params["combine"]
+    # ep_fused_combine: it also waits for the returned rows and combines them (global ids, the returned rows)
+    inside = make_plan(EP2, overrides={"ep_fused_combine": True})
+    assert inside.steps["forward_fused"][-1] == "gemm_fused"
+    kc = inside.kernel("gemm_fused")
+    assert kc.params["combine"] and kc.params["combine_experts"] == 64
+    names_c = [a.tensor for a in kc.args]
+    assert names_c.index("h_ready") < names_c.index("out") < names_c.index("ep_ret") < names_c.index("recv_off")
     assert k.params["send_ctas"] == p.kernel("ep_send").params["comm_ctas"]
     # the template's argument order: ..., h, the send's tables, y, h_ready, the return's tables
     names = [a.tensor for a in k.args]

@@ -85,6 +85,7 @@ GATEUP = 0  # tile kinds; the gate/up kinds are even
 DOWN = 1
 DONE_SLOT = 11  # tile_counter entry: finished down tiles (the combine waits for all)
 TOPK = 8
+COMBINE_EXPERTS = GROUPS  # ids outside [0, COMBINE_EXPERTS) contribute nothing
 GATHER_A = True
 GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
@@ -782,7 +783,7 @@ class GemmFused:
                     e = ids[t, k]
                     rows_pos[k] = pos[t, k]
                     rows_w[k] = weights[t, k]
-                    if e < 0 or e >= GROUPS:  # out-of-range ids contribute nothing
+                    if e < 0 or e >= COMBINE_EXPERTS:  # out-of-range ids contribute nothing
                         rows_w[k] = 0.0
                         rows_pos[k] = -1
                 for col in cutlass.range(lane, N2_SIZE // VEC, 32, unroll=2):

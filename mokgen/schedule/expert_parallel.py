@@ -224,34 +224,62 @@ def fused_misfit_ep(spec: MoESpec, overrides: dict, tile_n: int) -> str | None:
 RETURN_ROW_BATCH = 8
 
 
+def fused_combines(overrides: dict) -> bool:
+    """Whether the single launch also waits for the returned rows and combines them (Plan
+    override ep_fused_combine: true); by default ep_wait_returns and the combine kernel run
+    after it. Measured on 2 H200s (E64 K8 H2048 I1024, each build in one run, twice, from a
+    CUDA graph; docs/perf.md): combining inside took 0.244 / 0.242-0.250 / 0.377-0.380 ms at 64 /
+    256 / 1024 tokens per rank, the kernels after it 0.234-0.236 / 0.234-0.248 / 0.377-0.380:
+    inside, one warp reduces a token (the combine kernel gives it a CTA) and most of the
+    launch's warps have no token at small T."""
+    return overrides.get("ep_fused_combine", False)
+
+
 def make_single_launch(fused: KernelPlan, spec: MoESpec, target: Target, send_ctas: int, overrides: dict) -> str:
     """Turn the fused gate/up + down launch (built from a gate/up GEMM that waits per M tile for
-    its rows, overlap_gemm) into the expert-parallel single launch: its first send_ctas CTAs
+    its rows, overlap_gemm) into the expert-parallel single launch, everything after layout:
+    its first send_ctas CTAs
     send this rank's rows (send_in_gemm), every CTA then takes tiles, claimed in wavefront order
     (the gate/up tiles of wave_lag M tiles ahead of the down tiles: about two rounds of the
     launch's CTAs, so a down tile rarely waits), and each down tile's CTA returns the tile's
     columns of its rows itself once they are stored (ep_return per tile: no return CTAs, no
-    counter, no wait). One launch of target.sms CTAs, all resident, so no CTA that sends or that
-    others wait on is ever held out. Returns the Plan's decision text."""
+    counter, no wait); then it waits for the returned rows and combines them (a CTA counts its
+    returns before it waits, so no rank's wait depends on another's). One launch of
+    target.sms CTAs, all resident, so no CTA that sends or that others wait on is ever held out.
+    Returns the Plan's decision text."""
     W = spec.world_size
     send_in_gemm(fused, spec, target, send_ctas)
     wave_lag = overrides.get("gemm_fused.wave_lag", -(-2 * target.sms // (spec.intermediate // fused.params["tile_n"])))
     if not isinstance(wave_lag, int) or isinstance(wave_lag, bool) or wave_lag < 0:
         raise PlanError(f"gemm_fused.wave_lag={wave_lag!r} must be an integer >= 0 (0: every gate/up tile first)")
+    combine = fused_combines(overrides)
     fused.params = dict(fused.params, ep_return=True, return_ctas=0, ep_rows=peer_rows_params(spec),
-                        wave_lag=wave_lag, return_row_batch=RETURN_ROW_BATCH)
+                        wave_lag=wave_lag, return_row_batch=RETURN_ROW_BATCH, combine=combine,
+                        combine_experts=spec.experts, ep_returns_error=EP_ERROR + FLAG_KINDS.index("returns") * 4096)
+    K, H = spec.topk, spec.hidden
+    if combine:
+        fused.args += [KernelArg("ids", "topk_ids", "i32", ["T", K]),
+                       KernelArg("weights", "topk_weights", "f32", ["T", K]), KernelArg("pos", "pos", "i32", ["T", K]),
+                       KernelArg("out", "out", "bf16", ["T", H]), KernelArg("ret_rows", "ep_ret", "bf16", ["M", H]),
+                       KernelArg("ep_flags", "ep_flags", "i32", [len(FLAG_KINDS), W])]
     fused.args += [KernelArg("recv_off", "recv_off", "i32", [spec.local_experts, W + 1]),
                    KernelArg("src_start", "src_start", "i32", [W, spec.local_experts]),
                    KernelArg("ep_state", "ep_state", "i32", [len(STATE)])]  # (peers: among the send's arguments)
     fused.warp_roles = fused.warp_roles + [f"CTAs 0..{send_ctas - 1}: every warp first sends rows to the owners",
-                                           "consumer warps, after each down tile: return its columns of its rows"]
+                                           "consumer warps, after each down tile: return its columns of its rows"
+                                           + ("; once no tile is left and the rows are back: combine token rows"
+                                              if combine else "")]
     return (f"gemm_fused (expert parallel; calls up to the fused path's token bound): one launch of {target.sms} CTAs "
             f"between layout and combine: its first {send_ctas} CTAs send this rank's rows, then every CTA takes "
             f"tiles in wavefront order (gate/up tiles {wave_lag} M tiles ahead of the down tiles, about two rounds "
             "of the launch's CTAs: a gate/up tile waits for its expert's rows from every rank, a down tile on "
             "h_ready); each down tile's consumer warps return its columns of its rows to their source ranks once "
             "its stores are complete, so the return is spread over the down tiles with no CTA set aside and "
-            "nothing to wait for")
+            "nothing to wait for; then each CTA counts itself and the last raises the returns flags"
+            + ("; once every rank's returns flag holds the call's epoch (acquire, system scope, bounded) the "
+               "consumer warps combine token rows t = CTA, CTA + grid, ... in the combine kernel's fixed k order"
+               if combine else "; the wait and the combine are kernels after it (measured faster than combining "
+               "inside it; override ep_fused_combine: true combines inside)"))
 
 
 def send_in_gemm(gateup: KernelPlan, spec: MoESpec, target: Target, ctas: int) -> None:

@@ -559,8 +559,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout"] + ([] if sends else ["ep_send"]) \
             + shared_steps
         if fuse:  # small calls: the single launch sends, computes and returns
-            steps["forward_fused"] = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "gemm_fused",
-                                      "ep_wait_returns", "combine"]
+            steps["forward_fused"] = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "gemm_fused"] \
+                + ([] if expert_parallel.fused_combines(overrides or {}) else ["ep_wait_returns", "combine"])
         if expert_parallel.overlapped(overrides or {}):  # the send beside gate/up, which waits per M tile
             steps["forward"] = head + ["gemm_gateup", "gemm_down"] + ([] if gemm_returns else ["ep_return"]) \
                 + ["ep_wait_returns", "combine"]
@@ -657,8 +657,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 FUSED_MAX_TOKENS = 2048
 # Expert parallel: tokens per rank up to which a call runs the single launch (send, GEMMs and
 # return in one kernel). Measured on 2 H200s (E64 K8 H2048 I1024, docs/perf.md, "Expert
-# parallelism: send, both GEMMs and the return in one launch"), from a CUDA graph: 1.05x /
-# 1.05x / 1.04x the per-GEMM path at 64 / 256 / 1024 tokens per rank, 0.98x at 2048.
+# parallelism: send, both GEMMs and the return in one launch"), from a CUDA graph: 1.04-1.05x
+# the per-GEMM path at 64 / 256 / 1024 tokens per rank in one run, 1.00-1.05x in another,
+# 0.98x at 2048.
 EP_FUSED_MAX_TOKENS = 1024
 
 
@@ -790,7 +791,7 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
-                           r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
+                           r"|ep_fused_combine|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
 
 
@@ -802,7 +803,7 @@ def check_overrides(overrides: dict) -> None:
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
         if key in ("debug_unchecked", "debug_break_dependency", "profile", "fuse_gemms", "dispatch_chunked",
-                   "ep_overlap", "gemm_returns", "gemm_sends"):
+                   "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
