@@ -251,6 +251,15 @@ def test_expert_parallel_small_calls_run_one_launch_between_layout_and_combine()
                                world_size=2, topology="nvlink"))
     assert "forward_fused" not in shared.steps and any("shared expert's tiles" in d for d in shared.decisions)
     assert "forward_fused" not in make_plan(EP2, overrides={"gemm_returns": False}).steps
+    # overrides of the single launch where there is none are refused, not ignored
+    with pytest.raises(PlanError, match="ep_fused_combine: this Plan has no single launch"):
+        make_plan(EP2, overrides={"fuse_gemms": False, "ep_fused_combine": True})
+    with pytest.raises(PlanError, match="ep_fused_combine: the layer is not expert parallel"):
+        make_plan(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024), overrides={"ep_fused_combine": True})
+    with pytest.raises(PlanError, match="gemm_fused.wave_lag: this Plan has no single launch"):
+        make_plan(EP2, overrides={"ep_overlap": False, "gemm_fused.wave_lag": 4})
+    with pytest.raises(PlanError, match="wave_lag"):
+        make_plan(EP2, overrides={"gemm_fused.wave_lag": -1})
 
 
 def test_tiling_decisions():

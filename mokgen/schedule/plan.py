@@ -278,6 +278,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     paths, why = forward_paths(spec, target, row_tile, overrides, cluster_m)
     decisions.append(why)
     fuse = paths != "multi"  # the Plan has the fused launch (and dispatch feeds it)
+    for key, needs in (("gemm_fused.wave_lag", fuse), ("ep_fused_combine", fuse and ep)):
+        if key in (overrides or {}) and not needs:  # an override that would change nothing is an error
+            raise PlanError(f"{key}: the layer is not expert parallel" if key.startswith("ep_") and not ep else
+                            f"{key}: this Plan has no single launch ({why})")
     # The fused launch combines too, except in a profiling build (which times the combine
     # as its own kernel; expert parallel: the combine reads the returned rows after the wait).
     fused_combine = fuse and not ep and not (overrides or {}).get("profile")
