@@ -249,9 +249,8 @@ def make_single_launch(fused: KernelPlan, spec: MoESpec, target: Target, send_ct
     Returns the Plan's decision text."""
     W = spec.world_size
     send_in_gemm(fused, spec, target, send_ctas)
+    # (check_overrides has checked an override's value)
     wave_lag = overrides.get("gemm_fused.wave_lag", -(-2 * target.sms // (spec.intermediate // fused.params["tile_n"])))
-    if not isinstance(wave_lag, int) or isinstance(wave_lag, bool) or wave_lag < 0:
-        raise PlanError(f"gemm_fused.wave_lag={wave_lag!r} must be an integer >= 0 (0: every gate/up tile first)")
     combine = fused_combines(overrides)
     fused.params = dict(fused.params, ep_return=True, return_ctas=0, ep_rows=peer_rows_params(spec),
                         wave_lag=wave_lag, return_row_batch=RETURN_ROW_BATCH, combine=combine,

@@ -496,8 +496,6 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         lag = (overrides or {}).get("gemm_fused.wave_lag", 0)
         if lag and S:
             raise PlanError("gemm_fused.wave_lag: the wavefront tile order is not generated with a shared expert")
-        if lag < 0:
-            raise PlanError(f"gemm_fused.wave_lag={lag} must be >= 0 (0: every gate/up tile first)")
         kernels[-1].params["wave_lag"] = lag
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
         steps["forward_fused" if paths == "by_tokens" else "forward"] = ["dispatch_count", "dispatch_scatter",
@@ -815,7 +813,8 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
         if ((key == "row_tile" and value not in (64, 128)) or (key == "wait_timeout_ms" and value < 1)
                 or (key == "cluster_m" and value not in (1, 2))
-                or (key.endswith(".epi_stages") and value not in range(1, 9))):
+                or (key.endswith(".epi_stages") and value not in range(1, 9))
+                or (key == "gemm_fused.wave_lag" and value < 0)):  # (0: every gate/up tile first)
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
 
 
