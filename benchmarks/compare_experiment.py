@@ -6,9 +6,10 @@ best round's median kept per implementation, so that a power-capped clock late i
 not favour whichever ran first.
 
     python benchmarks/compare_experiment.py NAME [--variant V] [--tokens T,T,...]
-                                            [--rounds R] [--json PATH]
+                                            [--rounds R] [--eager] [--json PATH]
 
-NAME is fused, cluster2, chunked or wave; V defaults to the OLMoE layer.
+NAME is fused, cluster2, chunked, multi, apart or wave; V defaults to the OLMoE layer. --eager
+also times both builds called directly (launch overhead included).
 """
 import argparse
 import json
@@ -17,7 +18,7 @@ import sys
 import torch
 
 import mokgen
-from mokgen.bench import _capture, baseline_weights, gpu_state, time_ms, torch_grouped_mm
+from mokgen.bench import _capture, baseline_weights, time_rounds, torch_grouped_mm
 from mokgen.codegen import default_out
 from mokgen.runtime import Variant
 from mokgen.verify import make_inputs
@@ -27,6 +28,7 @@ ap.add_argument("name")
 ap.add_argument("--variant", default="e64_k8_h2048_i1024_bf16_sm90a")
 ap.add_argument("--tokens", default="64,256,1024,4096,16384")
 ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--eager", action="store_true", help="also time both builds called directly")
 ap.add_argument("--json")
 args = ap.parse_args()
 
@@ -45,18 +47,19 @@ for T in [int(t) for t in args.tokens.split(",")]:
         args.name: _capture(lambda: exp.forward(x, ids, w, wg, wu, wd, *shared)).replay,
         "torch_grouped_mm": lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate, ws),
     }
-    best = {}
-    for r in range(args.rounds):
-        for name, fn in impls.items():
-            ms = time_ms(fn, 10, 50)
-            rows.append(dict(T=T, impl=name, round=r, ms=ms, **gpu_state()))
-            best[name] = min(best.get(name, ms), ms)
+    if args.eager:
+        impls["default eager"] = lambda: plain.forward(x, ids, w, wg, wu, wd, *shared)
+        impls[f"{args.name} eager"] = lambda: exp.forward(x, ids, w, wg, wu, wd, *shared)
+    best = time_rounds(impls, args.rounds, rows, T=T)
     line = f"T={T:6d}  default {best['default']:.3f} ms  {args.name} {best[args.name]:.3f} ms " \
            f"({best['default'] / best[args.name]:.3f}x)"
     if "torch_grouped_mm" in best:
         line += f"  torch grouped_mm {best['torch_grouped_mm']:.3f} ms ({args.name} " \
                 f"{best['torch_grouped_mm'] / best[args.name]:.2f}x, default " \
                 f"{best['torch_grouped_mm'] / best['default']:.2f}x)"
+    if args.eager:
+        line += f"  eager: default {best['default eager']:.3f} ms  {args.name} {best[args.name + ' eager']:.3f} ms " \
+                f"({best['default eager'] / best[args.name + ' eager']:.3f}x)"
     print(line, flush=True)
 if args.json:
     with open(args.json, "w") as f:

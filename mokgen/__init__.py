@@ -3,7 +3,8 @@
     spec (MoESpec) -> stage graph (ir) -> Plan (schedule) -> CuTe-DSL source (codegen)
     -> ahead-of-time compiled kernels -> torch ops (runtime)
 
-Public API: MoESpec, load, moe (differentiable), route, check_errors, MoE (an nn.Module).
+Public API: MoESpec, load, moe (differentiable), route, moe_routed (route + moe, one launch
+where it can), check_errors, MoE (an nn.Module).
 """
 __version__ = "0.1.0"
 
@@ -23,6 +24,16 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
 
     return _moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=ws_gate, ws_up=ws_up,
                 ws_down=ws_down, **kw)
+
+
+def moe_routed(x, router_logits, topk, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
+               renormalize=False):
+    """(out, topk_ids, topk_weights): route, then the layer; one launch where the fused launch
+    serves the call (see mokgen.runtime.moe_routed)."""
+    from .runtime import moe_routed as _moe_routed
+
+    return _moe_routed(x, router_logits, topk, w_gate, w_up, w_down, ws_gate=ws_gate, ws_up=ws_up,
+                       ws_down=ws_down, renormalize=renormalize)
 
 
 def check_errors():
@@ -55,5 +66,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'mokgen' has no attribute {name!r}")
 
 
-__all__ = ["MoE", "MoESpec", "SpecError", "check_errors", "load", "moe", "release_peer_workspaces", "route",
+__all__ = ["MoE", "MoESpec", "SpecError", "check_errors", "load", "moe", "moe_routed", "release_peer_workspaces", "route",
            "__version__"]

@@ -85,6 +85,19 @@ def time_with_energy(fn, warmup: int = 10, iters: int = 50) -> tuple[float, floa
     return ms, ((e1 - e0) / 1000 / reps if e0 is not None and e1 is not None else None)
 
 
+def time_rounds(impls: dict, rounds: int, rows: list, **tags) -> dict:
+    """Each implementation timed (time_ms) in `rounds` interleaved rounds, every timing
+    appended to rows (with tags and the GPU state), the best round's median returned per
+    name: a power-capped clock late in the run then favours none of them."""
+    best = {}
+    for r in range(rounds):
+        for name, fn in impls.items():
+            ms = time_ms(fn, 10, 50)
+            rows.append(dict(tags, impl=name, round=r, ms=ms, **gpu_state()))
+            best[name] = min(best.get(name, ms), ms)
+    return best
+
+
 def gpu_state() -> dict:
     """SM clock and board power right now (NVML). The generated GEMMs can run into the
     power cap (H200: 700 W) and lose clock: these show when a figure was power-bound."""

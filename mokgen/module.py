@@ -100,7 +100,8 @@ class MoE(nn.Module):
     Input [..., hidden] bf16, output the same shape. Parameters: router.weight [E, H] fp32,
     w_gate, w_up [E, I, H], w_down [E, H, I] bf16 (+ ws_gate, ws_up [S, H], ws_down [H, S]).
     Under autograd it saves the SwiGLU inputs (2 x ~T*K x I bf16, + 2 x T x S) unless recompute=True.
-    fused_routing=True routes with the generated route kernel (and its backward) instead of torch ops.
+    fused_routing=True routes with the generated route kernel (and its backward) instead of torch ops;
+    in inference (no autograd, one GPU) routing then runs inside the layer's single launch.
 
     Expert parallel (group: a process group of W ranks, one GPU each, linked by NVLink): the
     module holds its rank's E/W experts (rank r: global experts r*E/W ...), the router and the
@@ -146,6 +147,7 @@ class MoE(nn.Module):
         # The generated ops, found (or built) once: a module on a GPU resolves them now, so
         # that torch.compile traces a plain custom-op call; elsewhere at the first forward.
         self._ops = None
+        self._routed_ops = None  # (fused_routing, inference: the build with this routing's renormalisation)
         if not reference and self.w_gate.is_cuda and self.group is None:
             self._resolve()
 
@@ -180,6 +182,19 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         logits = self.router(x2.float())
+        if self.fused_routing and not self.reference and self.group is None and not torch.is_grad_enabled():
+            # Inference with generated routing: route, dispatch, the experts and the combine in
+            # one launch where the fused launch serves the call (the same bits as route + moe).
+            if self._routed_ops is None:
+                from .runtime import find_variant
+
+                s = self.spec
+                self._routed_ops = find_variant(s.experts, s.topk, s.hidden, s.intermediate, s.shared_intermediate,
+                                                renormalize=s.renormalize).ops
+            shared = (self.ws_gate, self.ws_up, self.ws_down) if self.ws_gate is not None else (None, None, None)
+            out = self._routed_ops.forward_routed(x2.contiguous(), logits.contiguous(), self.w_gate, self.w_up,
+                                                  self.w_down, *shared)[0]
+            return out.reshape(shape)
         if self.fused_routing and not self.reference:
             from .runtime import route
 

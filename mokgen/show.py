@@ -79,12 +79,18 @@ def format_task_graph(plan: dict, tokens=(64, 256, 1024, 4096, 16384)) -> str:
     if fused is None:
         status = "planned; this build runs one launch per stage"
     else:
-        tasks = "gate/up, " + ("shared gate/up, " if fused["params"].get("s_size") else "") + "down" + \
-            (", shared down" if fused["params"].get("s_size") else "") + \
-            (" and combine" if fused["params"].get("combine") else "")
+        p = fused["params"]
+        tasks = ("count, scatter, " if p.get("dispatch") else "") + "gate/up, " + \
+            ("shared gate/up, " if p.get("s_size") else "") + "down" + (", shared down" if p.get("s_size") else "") + \
+            (" and combine" if p.get("combine") else "")
         when = f"calls with T <= {plan['fused_max_tokens']}" if plan.get("fused_max_tokens") else "every call"
-        status = (f"generated in part: for {when}, gemm_fused runs the {tasks} tasks in one launch; "
-                  "route, count and scatter are still launches of their own")
+        if any(k["name"] == "gemm_fused_routed" for k in plan["kernels"]):
+            status = (f"generated: for {when}, gemm_fused runs the {tasks} tasks in one launch, and "
+                      "gemm_fused_routed (mokgen.moe_routed) the route tasks first")
+        else:
+            apart = "route is" if p.get("dispatch") else "route, count and scatter are"
+            status = (f"generated in part: for {when}, gemm_fused runs the {tasks} tasks in one launch; "
+                      f"{apart} still launches of their own")
     out = [f"task graph of the fused forward ({status})",
            "  SM roles: " + ", ".join(f"{k} {v}" for k, v in tg["sm_roles"].items()),
            f"  rule: {tg['rule']}"]

@@ -24,8 +24,9 @@ def test_show_preset_without_building():
     r = CliRunner().invoke(main, ["show", "deepseek-v3"])
     assert r.exit_code == 0 and "shared_gateup" in r.output
     # Both forward paths, and which tasks of the planned single launch are generated.
-    assert "calls with T <= 2048: dispatch_count -> dispatch_scatter -> gemm_fused" in r.output
-    assert "gemm_fused runs the gate/up, shared gate/up, down, shared down and combine tasks" in r.output
+    assert "calls with T <= 2048: gemm_fused" in r.output
+    assert "gemm_fused runs the count, scatter, gate/up, shared gate/up, down, shared down and combine tasks" \
+        in r.output and "gemm_fused_routed (mokgen.moe_routed) the route tasks first" in r.output
 
 
 def test_bad_flags_exit_2_with_one_line(tmp_path):

@@ -69,6 +69,18 @@ def test_gemm_sass_uses_hgmma_without_local_memory(built, spec):
         assert not any(op in sass for op in ("LDL", "STL")), f"{cubin.name}: local-memory traffic (spills)"
 
 
+def test_single_launch_routes_and_dispatches_inside(built):
+    """The one-launch forward: its counters are released once per CTA and polled with
+    acquire loads (no atomics in the spin), and its routing twin routes with warp shuffles."""
+    path = built[PRESETS["olmoe"].variant] / "build"
+    for name in ("gemm_fused", "gemm_fused_routed"):
+        ptx = (path / f"{name}.ptx").read_text()
+        assert "ld.acquire.gpu" in ptx and "atom.global.release.add" in ptx, name
+    routed = (path / "gemm_fused_routed.ptx").read_text()
+    assert routed.count("shfl.sync.bfly") > (path / "gemm_fused.ptx").read_text().count("shfl.sync.bfly")
+    assert "ex2.approx" in routed
+
+
 def test_profiling_build_compiles_and_keeps_the_fast_path_clean(tmp_path):
     """A profiling build (task records) compiles for every kernel kind, its GEMMs still
     run on HGMMA without spills, and it lives apart from the normal build."""

@@ -218,13 +218,17 @@ def test_torch_compile_fake(gen):
 #   deadlock:           the gate/up pipeline deadlocks (the gather releases its stages too
 #                       late, past the bound the Plan normally enforces);
 #   broken_dependency:  the single launch's down tiles wait for one gate/up tile more than
-#                       an M tile has, so their h_ready counter never gets there.
+#                       an M tile has, so their h_ready counter never gets there;
+#   broken_dispatch:    the single launch's CTAs wait for one expert more to be counted than
+#                       there are.
 # (overrides, tokens, the kernel and the wait the error must name)
 BROKEN_BUILDS = {
     "deadlock": ({"debug_unchecked": True, "gemm_gateup.gather_lag": 3, "wait_timeout_ms": 500}, 4096,
                  "gemm_gateup", "pipeline stage"),
     "broken_dependency": ({"fuse_gemms": True, "debug_break_dependency": True, "wait_timeout_ms": 500}, 64,
                           "gemm_fused", "h_ready"),
+    "broken_dispatch": ({"fuse_gemms": True, "debug_break_dispatch": True, "wait_timeout_ms": 500}, 64,
+                        "gemm_fused", "dispatch inside the launch"),
 }
 
 
@@ -393,9 +397,10 @@ def test_fused_launch_captures_and_replays_with_new_inputs(gen):
 #   cluster2: 2-CTA clusters multicast the routed GEMMs' weight tiles;
 #   chunked:  the O(T*K) chunked dispatch places every row where the per-expert one does;
 #   multi:    one launch per GEMM at every T (the default runs the fused launch up to
-#             fused_max_tokens tokens).
+#             fused_max_tokens tokens);
+#   apart:    the fused launch after the two dispatch kernels (the default dispatches inside it).
 SAME_BITS_EXPERIMENTS = {"cluster2": {"cluster_m": 2}, "chunked": {"dispatch_chunked": True},
-                         "multi": {"fuse_gemms": False}}
+                         "multi": {"fuse_gemms": False}, "apart": {"dispatch_in_launch": False}}
 
 
 def experiment_dir(name):
@@ -533,6 +538,47 @@ def test_shared_expert_gradients_through_autograd(gen):
         assert torch.equal(saved, recomputed), name
 
 
+@pytest.mark.parametrize("routing", ["uniform", "hot"])
+@pytest.mark.parametrize("T", [1, 7, 1000, 2048, 4096])
+@pytest.mark.parametrize("shape,renormalize", [(SHAPES[0], False), (SHAPES[3], True), (SHAPES[4], False)],
+                         ids=["e64", "e40_rn", "e16_shared"])
+def test_moe_routed_is_route_then_moe_bit_for_bit(shape, renormalize, T, routing, gen):
+    """mokgen.moe_routed (route, dispatch, GEMMs and combine in one launch up to the fused
+    launch's T, route then moe above it) against mokgen.route then mokgen.moe: the same ids,
+    weights and output bits, three calls in a row."""
+    import mokgen
+
+    E, K, H, *_ = shape
+    x, _, _, wg, wu, wd, (sg, su, sd) = make_inputs(shape, T, "uniform", gen)
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    if routing == "hot":  # most tokens pick expert 3 first; some experts get no token at all
+        logits[:, 3] += 4.0
+        logits[:, : E // 4] -= 6.0
+    ids, w = mokgen.route(logits, K, renormalize=renormalize)
+    want = mokgen.moe(x, ids, w, wg, wu, wd, ws_gate=sg, ws_up=su, ws_down=sd)
+    for _ in range(3):
+        with torch.no_grad():
+            out, ids_r, w_r = mokgen.moe_routed(x, logits, K, wg, wu, wd, ws_gate=sg, ws_up=su, ws_down=sd,
+                                                renormalize=renormalize)
+        assert torch.equal(ids_r, ids) and torch.equal(w_r, w)
+        assert torch.equal(out, want)
+    mokgen.check_errors()
+
+
+def test_moe_routed_rejects_bad_inputs_before_launch(gen):
+    import mokgen
+    from mokgen.runtime import InputError
+
+    E, K, H, I, _ = SHAPES[0]
+    x, _, _, wg, wu, wd, _ = make_inputs(SHAPES[0], 16, "uniform", gen)
+    logits = torch.randn(16, E, device="cuda", generator=gen)
+    for bad, match in (((x[:8], logits, K), "T = router_logits"), ((x, logits.double(), K), "float32"),
+                       ((x, logits[:, :8].contiguous(), K), "route over 8 experts"), ((x, logits, 0), "topk"),
+                       ((x, logits.t(), K), "")):
+        with pytest.raises(InputError, match=match):
+            mokgen.moe_routed(bad[0], bad[1], bad[2], wg, wu, wd)
+
+
 @pytest.mark.parametrize("fused_routing", [False, True], ids=["torch_routing", "fused_routing"])
 def test_moe_module_matches_torch_reference_module(fused_routing, gen):
     """mokgen.MoE against the same block on torch ops (same parameters): output and every
@@ -555,3 +601,5 @@ def test_moe_module_matches_torch_reference_module(fused_routing, gen):
     assert rel_error(outs[0], outs[1]) <= TOL
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert rel_error(p.grad, q.grad) <= 2 * TOL, name
+    with torch.no_grad():  # inference (fused_routing: routing inside the single launch)
+        assert rel_error(ours(x[:1]), ref(x[:1])) <= TOL

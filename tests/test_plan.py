@@ -328,7 +328,9 @@ def test_tune_survives_failing_candidates(tmp_path):
                                                             shared_intermediate=768)], ids=lambda s: s.variant)
 def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     p = make_plan(spec)
-    gemms = [k for k in p.kernels if k.template == "grouped_gemm_persistent.py.j2"]
+    # (the fused launch's routing twin shares its slot: one of the two runs per call)
+    gemms = [k for k in p.kernels if k.template == "grouped_gemm_persistent.py.j2" and k.name != "gemm_fused_routed"]
+    assert p.kernel("gemm_fused_routed").params["sched_slot"] == p.kernel("gemm_fused").params["sched_slot"]
     slots = [k.params["sched_slot"] for k in gemms]
     counters = next(b for b in p.buffers if b.name == "tile_counters")
     # One counter per GEMM (both forward paths' GEMMs), the fused launch's used-M-tile and
@@ -338,13 +340,16 @@ def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     assert fused["used_slot"] == len(gemms) and fused["status_slot"] == int(counters.shape[0]) - 1
     assert {k.params["status_slot"] for k in gemms} == {int(counters.shape[0]) - 1}
     assert p.fused_max_tokens > 0
-    assert set(p.steps) == {"forward", "forward_fused", "route", "route_backward"} | (
+    assert set(p.steps) == {"forward", "forward_fused", "forward_routed", "route", "route_backward"} | (
         {"forward_train", "backward", "backward_recompute"})
     for entry, forward in p.steps.items():
         if entry.startswith("route"):
             continue
         if "tile_counters" in p.zeroed.get(entry, ()):  # zeroed by the runtime before the entry's kernels
             assert "dispatch_count" not in forward
+            continue
+        if forward in (["gemm_fused"], ["gemm_fused_routed"]):  # it dispatches too: its CTA 0 zeroes them first
+            assert p.kernel(forward[0]).params["dispatch"]
             continue
         zeroing = [s for s in forward if any(a.tensor == "tile_counters" for a in p.kernel(s).args)
                    and p.kernel(s).template == "dispatch.py.j2"]
@@ -380,14 +385,36 @@ def test_profiling_build_gives_every_forward_kernel_a_task_record_buffer():
 def test_fused_gemms_plan_links_the_tiles_through_counters():
     spec = PRESETS["olmoe"]
     p = make_plan(spec, overrides={"fuse_gemms": True})
-    assert p.steps["forward"] == ["dispatch_count", "dispatch_scatter", "gemm_fused"]  # it combines too
+    assert p.steps["forward"] == ["gemm_fused"]  # it dispatches and combines too: one launch
     assert "combine" not in [k.name for k in p.kernels]  # nothing unused is built
     k = p.kernel("gemm_fused")
     assert [a.tensor for a in k.args] == ["x", "row_token", "w_gate", "w_up", "tile_expert", "tile_counters",
-                                          "w_down", "h", "y", "h_ready", "topk_ids", "topk_weights", "pos", "out"]
+                                          "w_down", "h", "y", "h_ready", "topk_ids", "topk_weights", "pos", "out",
+                                          "counts", "launch_sync"]
+    sync = next(b for b in p.buffers if b.name == "launch_sync")
+    assert sync.memory == "state" and sync.shape == ["4"]  # counted, placed, passed, routed
+    routed = p.kernel("gemm_fused_routed")
+    assert p.steps["forward_routed"] == ["gemm_fused_routed"] and routed.params["route"]["experts"] == spec.experts
+    assert [a.tensor for a in routed.args] == [a.tensor for a in k.args] + ["logits"]
+    assert k.params["dispatch"]["experts"] == spec.experts and k.params["dispatch"]["threads"] == k.block
+    assert any(d.startswith("gemm_fused also dispatches") for d in p.decisions)
+    # dispatch_in_launch: false keeps the two dispatch kernels before the launch.
+    apart = make_plan(spec, overrides={"fuse_gemms": True, "dispatch_in_launch": False})
+    assert apart.steps["forward"] == ["dispatch_count", "dispatch_scatter", "gemm_fused"]
+    assert "dispatch" not in apart.kernel("gemm_fused").params
+    assert not any(b.name == "launch_sync" for b in apart.buffers)
+    with pytest.raises(PlanError, match="dispatch_in_launch: this Plan has no single launch"):
+        make_plan(spec, overrides={"fuse_gemms": False, "dispatch_in_launch": True})
+    with pytest.raises(PlanError, match="true or false"):
+        make_plan(spec, overrides={"dispatch_in_launch": 1})
+    broken = make_plan(spec, overrides={"fuse_gemms": True, "debug_break_dispatch": True})
+    assert broken.kernel("gemm_fused").params["dispatch"]["debug_break"]
+    with pytest.raises(PlanError, match="does not dispatch"):
+        make_plan(spec, overrides={"dispatch_in_launch": False, "debug_break_dispatch": True})
     assert k.params["fused"] and k.params["n2_tiles"] == spec.hidden // (2 * k.params["tile_n"])
-    # dispatch_scatter zeroes h_ready and publishes the number of used M tiles.
-    assert [a.tensor for a in p.kernel("dispatch_scatter").args][-2:] == ["tile_counters", "h_ready"]
+    # Where the launch does not dispatch, dispatch_scatter zeroes h_ready and publishes the
+    # number of used M tiles.
+    assert [a.tensor for a in apart.kernel("dispatch_scatter").args][-2:] == ["tile_counters", "h_ready"]
     counters = next(b for b in p.buffers if b.name == "tile_counters")
     assert k.params["combine"] and k.params["done_slot"] == k.params["used_slot"] + 1
     assert int(counters.shape[0]) == k.params["used_slot"] + 3 == k.params["status_slot"] + 1
@@ -403,10 +430,10 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
 def test_fused_launch_runs_the_shared_experts_tiles_too():
     spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
     p = make_plan(spec, overrides={"fuse_gemms": True})
-    assert p.steps["forward"] == ["dispatch_count", "dispatch_scatter", "gemm_fused"]
+    assert p.steps["forward"] == ["gemm_fused"]
     assert not any(k.name.startswith("shared_") for k in p.kernels)
     k = p.kernel("gemm_fused")
-    assert [a.tensor for a in k.args][-9:-4] == ["ws_gate", "ws_up", "ws_down", "hs", "ys"]
+    assert [a.tensor for a in k.args][-11:-6] == ["ws_gate", "ws_up", "ws_down", "hs", "ys"]
     assert k.params["s_size"] == 768 and k.params["shared_slot"] == k.params["used_slot"] + 1
     counters = next(b for b in p.buffers if b.name == "tile_counters")
     assert int(counters.shape[0]) == k.params["status_slot"] + 1 == k.params["done_slot"] + 2 == k.params["shared_slot"] + 3

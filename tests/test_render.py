@@ -28,7 +28,7 @@ def test_rendered_modules_are_python_and_manifest_is_complete():
     plan = make_plan(spec)
     files = render(plan)
     forward = {"route.py", "route_backward.py", "dispatch.py", "gemm_gateup.py", "gemm_down.py", "shared_gateup.py", "shared_down.py",
-               "gemm_fused.py", "combine.py", "launch.c", "manifest.json"}
+               "gemm_fused.py", "gemm_fused_routed.py", "combine.py", "launch.c", "manifest.json"}
     training = {f"{k}.py" for k in ("gemm_gateup_train", "shared_gateup_train", "bwd_recompute", "bwd_dgrad_down",
                                     "bwd_swiglu", "bwd_dgrad_gateup", "bwd_shared_recompute", "bwd_shared_dgrad_down",
                                     "bwd_shared_swiglu", "bwd_shared_dgrad_gateup", "bwd_combine", "wgrad_down",
@@ -41,7 +41,9 @@ def test_rendered_modules_are_python_and_manifest_is_complete():
     m = json.loads(files["manifest.json"])
     assert m["spec"] == spec.to_dict()
     # The templates this Plan renders (their hashes decide when a build is stale).
-    assert set(m["templates"]) == {k.template for k in plan.kernels} | {"launch.c.j2"}
+    # (and the templates those include: dispatch's and route's phases, which the fused launch runs too)
+    assert set(m["templates"]) == {k.template for k in plan.kernels} | {"launch.c.j2", "dispatch_phases.py.j2",
+                                                                        "route_phases.py.j2"}
     assert set(m["templates"]) <= {p.name for p in TEMPLATE_DIR.glob("*.j2")}
     assert m["cute_dsl_version"] == "4.8.1" and m["plan"]["variant"] == spec.variant
 

@@ -25,27 +25,52 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 
-EXPERTS = 64
-TOPK = 8
-TILE_M = 128
-TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM cluster size)
 THREADS = 1024
-WARPS = THREADS // 32
-ITEMS = 4  # pairs per thread and step of the compaction
-STATUS_SLOT = 13  # tile_counters entry for the call's error code (0: none)
-BAD_IDS = 1  # error code: some topk_ids were outside [0, EXPERTS)
+D_EXPERTS = 64
+D_TOPK = 8
+D_TILE_M = 128
+D_TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM cluster size)
+D_ITEMS = 4  # pairs per thread and step of the compaction
+D_WARPS = THREADS // 32
+D_STATUS_SLOT = 13  # tile_counters entry for the call's error code (0: none)
+D_BAD_IDS = 1  # error code: some topk_ids were outside [0, D_EXPERTS)
+D_USED_SLOT = 10  # tile_counters entry: the fused launch's used M tiles
 
 
-@cute.kernel
-def count_kernel(ids: cute.Tensor, counts: cute.Tensor, tile_counters: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    e, _, _ = cute.arch.block_idx()
-    if e == 0:
-        if tidx < cute.size(tile_counters):
-            tile_counters[tidx] = 0
+@cute.jit
+def expert_tiles(count: cutlass.Int32) -> cutlass.Int32:
+    """M tiles of an expert with `count` rows (a multiple of D_TILE_ALIGN)."""
+    return (count + (D_TILE_M * D_TILE_ALIGN - 1)) // (D_TILE_M * D_TILE_ALIGN) * D_TILE_ALIGN
+
+
+@cute.jit
+def expert_prefix(counts: cute.Tensor, e: cutlass.Int32, lane: cutlass.Int32):
+    """Warp-wide (every lane of one warp calls it): (M tiles of the experts placed before e,
+    M tiles of all experts, pairs counted by all experts), the same in every lane. Each lane
+    loads every 32nd count, so the loads are in flight together, not one after another;
+    integer sums, so the order does not matter."""
+    before = cutlass.Int32(0)
+    total = cutlass.Int32(0)
+    pairs = cutlass.Int32(0)
+    for j0 in cutlass.range(0, D_EXPERTS, 32, unroll=1):
+        j = j0 + lane
+        if j < D_EXPERTS:
+            c = counts[j]
+            tiles_j = expert_tiles(c)
+            if j < e:
+                before = before + tiles_j
+            total = total + tiles_j
+            pairs = pairs + c
+    before = cute.arch.warp_reduction(before, lambda a, b: a + b)
+    total = cute.arch.warp_reduction(total, lambda a, b: a + b)
+    pairs = cute.arch.warp_reduction(pairs, lambda a, b: a + b)
+    return before, total, pairs
+
+
+@cute.jit
+def count_expert(ids: cute.Tensor, e: cutlass.Int32, tidx: cutlass.Int32, warp_sums: cute.Tensor) -> cutlass.Int32:
+    """Block-wide: the pairs of ids (flat, T*K) routed to expert e. Valid in thread 0."""
     n = cute.size(ids)
-    smem = cutlass.memory.SmemAllocator()
-    warp_sums = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS), 16)
     c = cutlass.Int32(0)
     for i in cutlass.range(tidx, n, THREADS, unroll=4):
         if ids[i] == e:
@@ -54,75 +79,76 @@ def count_kernel(ids: cute.Tensor, counts: cute.Tensor, tile_counters: cute.Tens
     if cute.arch.lane_idx() == 0:
         warp_sums[tidx // 32] = c
     cute.arch.sync_threads()
+    total = cutlass.Int32(0)
     if tidx == 0:
-        total = cutlass.Int32(0)
-        for w in cutlass.range_constexpr(WARPS):
+        for w in cutlass.range_constexpr(D_WARPS):
             total = total + warp_sums[w]
-        counts[e] = total
+    cute.arch.sync_threads()  # warp_sums may be written again by the caller's next expert
+    return total
 
 
-@cute.kernel
-def scatter_kernel(
-    ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, row_token: cute.Tensor, tile_expert: cute.Tensor,
-    tile_counters: cute.Tensor, h_ready: cute.Tensor
+@cute.jit
+def scatter_expert(
+    ids: cute.Tensor, counts: cute.Tensor, e: cutlass.Int32, pos: cute.Tensor, row_token: cute.Tensor,
+    tile_expert: cute.Tensor, tile_counters: cute.Tensor, h_ready: cute.Tensor,
+    tidx: cutlass.Int32, warp_cnt: cute.Tensor, shared_scalars: cute.Tensor,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
-    e, _, _ = cute.arch.block_idx()
+    """Block-wide: place expert e's rows (every count is final).
+
+    - e's rows start at a padded offset: each expert's segment starts on a multiple of
+      D_TILE_M rows (the GEMM M tile), so every M tile of the grouped GEMMs belongs to
+      exactly one expert;
+    - tile_expert[m] = e for e's M tiles (the last expert writes -1 after the last used tile);
+    - row positions in (token, slot) order, a stable compaction (block-wide scan): the same
+      routing always gives the same positions;
+    - row_token[row] = t for every row (-1 for padding rows): the gate/up GEMM gathers its
+      A rows from x through it, so no permuted copy of x is ever made.
+    Routed ids outside [0, D_EXPERTS) match no expert: they get no row, and the expert-0
+    call records D_BAD_IDS (the host raises when it reads the error code).
+    """
     lane = cute.arch.lane_idx()
     warp = tidx // 32
     n = cute.size(ids)
-    smem = cutlass.memory.SmemAllocator()
-    warp_cnt = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS), 16)
-    shared_scalars = smem.allocate_tensor(cutlass.Int32, cute.make_layout(2), 16)
 
-    # Tiles of the experts before e, and of all experts (a fixed-order sum).
-    if tidx == 0:
-        before = cutlass.Int32(0)
-        total = cutlass.Int32(0)
-        pairs = cutlass.Int32(0)
-        for j in cutlass.range(EXPERTS, unroll=1):
-            tiles_j = (counts[j] + (TILE_M * TILE_ALIGN - 1)) // (TILE_M * TILE_ALIGN) * TILE_ALIGN
-            if j < e:
-                before = before + tiles_j
-            total = total + tiles_j
-            pairs = pairs + counts[j]
-        shared_scalars[0] = before
-        shared_scalars[1] = total
-        # Pairs whose id is outside [0, EXPERTS) were counted by no expert: they contribute
-        # nothing, and the call reports it (the host raises when it reads the error code).
-        if e == 0:
-            if pairs != n:
-                tile_counters[STATUS_SLOT] = BAD_IDS
+    # Tiles of the experts before e, and of all experts (warp 0).
+    if warp == 0:
+        before, total, pairs = expert_prefix(counts, e, lane)
+        if lane == 0:
+            shared_scalars[0] = before
+            shared_scalars[1] = total
+            if e == 0:
+                if pairs != n:
+                    tile_counters[D_STATUS_SLOT] = D_BAD_IDS
     cute.arch.sync_threads()
     tiles_before = shared_scalars[0]
     tiles_total = shared_scalars[1]
 
     my_count = counts[e]
-    my_tiles = (my_count + (TILE_M * TILE_ALIGN - 1)) // (TILE_M * TILE_ALIGN) * TILE_ALIGN
+    my_tiles = expert_tiles(my_count)
     for i in cutlass.range(tidx, my_tiles, THREADS, unroll=1):
         tile_expert[tiles_before + i] = e
         h_ready[tiles_before + i] = 0  # the fused GEMM's per-M-tile count of finished gate/up tiles
     if e == 0:
         if tidx == 0:
-            tile_counters[10] = tiles_total  # used M tiles: the fused GEMM's tile range
+            tile_counters[D_USED_SLOT] = tiles_total  # used M tiles: the fused GEMM's tile range
     # Padding rows of e's last tile: no token.
-    for i in cutlass.range(my_count + tidx, my_tiles * TILE_M, THREADS, unroll=1):
-        row_token[tiles_before * TILE_M + i] = -1
-    if e == EXPERTS - 1:
+    for i in cutlass.range(my_count + tidx, my_tiles * D_TILE_M, THREADS, unroll=1):
+        row_token[tiles_before * D_TILE_M + i] = -1
+    if e == D_EXPERTS - 1:
         for i in cutlass.range(tiles_total + tidx, cute.size(tile_expert), THREADS, unroll=1):
             tile_expert[i] = -1
 
-    # Stable compaction of the pairs routed to e: each step covers THREADS * ITEMS
-    # consecutive pairs, thread t owning ITEMS consecutive ones, so (thread, item)
+    # Stable compaction of the pairs routed to e: each step covers THREADS * D_ITEMS
+    # consecutive pairs, thread t owning D_ITEMS consecutive ones, so (thread, item)
     # order is (token, slot) order. Hits are ranked by a block-wide exclusive scan
     # (warp shuffles, then the warp totals in shared memory).
-    base = tiles_before * TILE_M
+    base = tiles_before * D_TILE_M
     running = cutlass.Int32(0)
-    hits = cute.make_rmem_tensor((ITEMS,), cutlass.Int32)
-    for chunk in cutlass.range(0, n, THREADS * ITEMS, unroll=1):
-        first = chunk + tidx * ITEMS
+    hits = cute.make_rmem_tensor((D_ITEMS,), cutlass.Int32)
+    for chunk in cutlass.range(0, n, THREADS * D_ITEMS, unroll=1):
+        first = chunk + tidx * D_ITEMS
         mine = cutlass.Int32(0)
-        for j in cutlass.range_constexpr(ITEMS):
+        for j in cutlass.range_constexpr(D_ITEMS):
             hits[j] = 0
             if first + j < n:
                 if ids[first + j] == e:
@@ -138,19 +164,49 @@ def scatter_kernel(
         cute.arch.sync_threads()
         prefix = cutlass.Int32(0)
         step_total = cutlass.Int32(0)
-        for w in cutlass.range_constexpr(WARPS):
+        for w in cutlass.range_constexpr(D_WARPS):
             cw = warp_cnt[w]
             if w < warp:
                 prefix = prefix + cw
             step_total = step_total + cw
         rank = base + running + prefix + incl - mine
-        for j in cutlass.range_constexpr(ITEMS):
+        for j in cutlass.range_constexpr(D_ITEMS):
             if hits[j] == 1:
                 pos[first + j] = rank
-                row_token[rank] = (first + j) // TOPK
+                row_token[rank] = (first + j) // D_TOPK
                 rank = rank + 1
         running = running + step_total
         cute.arch.sync_threads()
+    cute.arch.sync_threads()  # shared_scalars may be written again by the caller's next expert
+
+
+
+@cute.kernel
+def count_kernel(ids: cute.Tensor, counts: cute.Tensor, tile_counters: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    e, _, _ = cute.arch.block_idx()
+    if e == 0:
+        if tidx < cute.size(tile_counters):
+            tile_counters[tidx] = 0
+    smem = cutlass.memory.SmemAllocator()
+    warp_sums = smem.allocate_tensor(cutlass.Int32, cute.make_layout(D_WARPS), 16)
+    total = count_expert(ids, e, tidx, warp_sums)
+    if tidx == 0:
+        counts[e] = total
+
+
+@cute.kernel
+def scatter_kernel(
+    ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, row_token: cute.Tensor, tile_expert: cute.Tensor,
+    tile_counters: cute.Tensor, h_ready: cute.Tensor
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    e, _, _ = cute.arch.block_idx()
+    smem = cutlass.memory.SmemAllocator()
+    warp_cnt = smem.allocate_tensor(cutlass.Int32, cute.make_layout(D_WARPS), 16)
+    shared_scalars = smem.allocate_tensor(cutlass.Int32, cute.make_layout(2), 16)
+    scatter_expert(ids, counts, e, pos, row_token, tile_expert, tile_counters, h_ready, tidx,
+                   warp_cnt, shared_scalars)
 
 
 class Dispatch:
@@ -159,8 +215,8 @@ class Dispatch:
     @cute.jit
     def count(self, ids: cute.Tensor, counts: cute.Tensor, tile_counters: cute.Tensor,
               stream: cuda.CUstream):
-        flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * TOPK))
-        count_kernel(flat, counts, tile_counters).launch(grid=(EXPERTS, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * D_TOPK))
+        count_kernel(flat, counts, tile_counters).launch(grid=(D_EXPERTS, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.jit
     def scatter(
@@ -174,10 +230,10 @@ class Dispatch:
         h_ready: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * TOPK))
-        flat_pos = cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * TOPK))
+        flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * D_TOPK))
+        flat_pos = cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * D_TOPK))
         scatter_kernel(flat, counts, flat_pos, row_token, tile_expert, tile_counters, h_ready).launch(
-            grid=(EXPERTS, 1, 1), block=(THREADS, 1, 1), stream=stream
+            grid=(D_EXPERTS, 1, 1), block=(THREADS, 1, 1), stream=stream
         )
 
 

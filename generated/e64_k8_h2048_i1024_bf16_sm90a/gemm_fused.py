@@ -146,11 +146,11 @@ def wait_count_bounded(counter: cute.Pointer, target: cutlass.Int32, status: cut
     code's wait site). Then order the async proxy (TMA loads) after it."""
     gave_up = failed
     if not failed:
-        seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
+        seen = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
         if seen < target:
             start = cute.arch.globaltimer()
             while seen < target:
-                seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
+                seen = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
                 if seen < target:
                     waited = cute.arch.globaltimer() - start
                     if waited > WAIT_TIMEOUT_NS:
@@ -163,6 +163,240 @@ def wait_count_bounded(counter: cute.Pointer, target: cutlass.Int32, status: cut
                             gave_up = True
     cute.arch.fence_proxy("async.global")
     return gave_up
+
+
+
+D_EXPERTS = 64
+D_TOPK = 8
+D_TILE_M = 128
+D_TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM cluster size)
+D_ITEMS = 4  # pairs per thread and step of the compaction
+D_WARPS = THREADS // 32
+D_STATUS_SLOT = 13  # tile_counters entry for the call's error code (0: none)
+D_BAD_IDS = 1  # error code: some topk_ids were outside [0, D_EXPERTS)
+D_USED_SLOT = 10  # tile_counters entry: the fused launch's used M tiles
+
+
+@cute.jit
+def expert_tiles(count: cutlass.Int32) -> cutlass.Int32:
+    """M tiles of an expert with `count` rows (a multiple of D_TILE_ALIGN)."""
+    return (count + (D_TILE_M * D_TILE_ALIGN - 1)) // (D_TILE_M * D_TILE_ALIGN) * D_TILE_ALIGN
+
+
+@cute.jit
+def expert_prefix(counts: cute.Tensor, e: cutlass.Int32, lane: cutlass.Int32):
+    """Warp-wide (every lane of one warp calls it): (M tiles of the experts placed before e,
+    M tiles of all experts, pairs counted by all experts), the same in every lane. Each lane
+    loads every 32nd count, so the loads are in flight together, not one after another;
+    integer sums, so the order does not matter."""
+    before = cutlass.Int32(0)
+    total = cutlass.Int32(0)
+    pairs = cutlass.Int32(0)
+    for j0 in cutlass.range(0, D_EXPERTS, 32, unroll=1):
+        j = j0 + lane
+        if j < D_EXPERTS:
+            c = counts[j]
+            tiles_j = expert_tiles(c)
+            if j < e:
+                before = before + tiles_j
+            total = total + tiles_j
+            pairs = pairs + c
+    before = cute.arch.warp_reduction(before, lambda a, b: a + b)
+    total = cute.arch.warp_reduction(total, lambda a, b: a + b)
+    pairs = cute.arch.warp_reduction(pairs, lambda a, b: a + b)
+    return before, total, pairs
+
+
+@cute.jit
+def count_expert(ids: cute.Tensor, e: cutlass.Int32, tidx: cutlass.Int32, warp_sums: cute.Tensor) -> cutlass.Int32:
+    """Block-wide: the pairs of ids (flat, T*K) routed to expert e. Valid in thread 0."""
+    n = cute.size(ids)
+    c = cutlass.Int32(0)
+    for i in cutlass.range(tidx, n, THREADS, unroll=4):
+        if ids[i] == e:
+            c = c + 1
+    c = cute.arch.warp_reduction(c, lambda a, b: a + b)
+    if cute.arch.lane_idx() == 0:
+        warp_sums[tidx // 32] = c
+    cute.arch.sync_threads()
+    total = cutlass.Int32(0)
+    if tidx == 0:
+        for w in cutlass.range_constexpr(D_WARPS):
+            total = total + warp_sums[w]
+    cute.arch.sync_threads()  # warp_sums may be written again by the caller's next expert
+    return total
+
+
+@cute.jit
+def scatter_expert(
+    ids: cute.Tensor, counts: cute.Tensor, e: cutlass.Int32, pos: cute.Tensor, row_token: cute.Tensor,
+    tile_expert: cute.Tensor, tile_counters: cute.Tensor, h_ready: cute.Tensor,
+    tidx: cutlass.Int32, warp_cnt: cute.Tensor, shared_scalars: cute.Tensor,
+):
+    """Block-wide: place expert e's rows (every count is final).
+
+    - e's rows start at a padded offset: each expert's segment starts on a multiple of
+      D_TILE_M rows (the GEMM M tile), so every M tile of the grouped GEMMs belongs to
+      exactly one expert;
+    - tile_expert[m] = e for e's M tiles (the last expert writes -1 after the last used tile);
+    - row positions in (token, slot) order, a stable compaction (block-wide scan): the same
+      routing always gives the same positions;
+    - row_token[row] = t for every row (-1 for padding rows): the gate/up GEMM gathers its
+      A rows from x through it, so no permuted copy of x is ever made.
+    Routed ids outside [0, D_EXPERTS) match no expert: they get no row, and the expert-0
+    call records D_BAD_IDS (the host raises when it reads the error code).
+    """
+    lane = cute.arch.lane_idx()
+    warp = tidx // 32
+    n = cute.size(ids)
+
+    # Tiles of the experts before e, and of all experts (warp 0).
+    if warp == 0:
+        before, total, pairs = expert_prefix(counts, e, lane)
+        if lane == 0:
+            shared_scalars[0] = before
+            shared_scalars[1] = total
+            if e == 0:
+                if pairs != n:
+                    tile_counters[D_STATUS_SLOT] = D_BAD_IDS
+    cute.arch.sync_threads()
+    tiles_before = shared_scalars[0]
+    tiles_total = shared_scalars[1]
+
+    my_count = counts[e]
+    my_tiles = expert_tiles(my_count)
+    for i in cutlass.range(tidx, my_tiles, THREADS, unroll=1):
+        tile_expert[tiles_before + i] = e
+        h_ready[tiles_before + i] = 0  # the fused GEMM's per-M-tile count of finished gate/up tiles
+    if e == 0:
+        if tidx == 0:
+            tile_counters[D_USED_SLOT] = tiles_total  # used M tiles: the fused GEMM's tile range
+    # Padding rows of e's last tile: no token.
+    for i in cutlass.range(my_count + tidx, my_tiles * D_TILE_M, THREADS, unroll=1):
+        row_token[tiles_before * D_TILE_M + i] = -1
+    if e == D_EXPERTS - 1:
+        for i in cutlass.range(tiles_total + tidx, cute.size(tile_expert), THREADS, unroll=1):
+            tile_expert[i] = -1
+
+    # Stable compaction of the pairs routed to e: each step covers THREADS * D_ITEMS
+    # consecutive pairs, thread t owning D_ITEMS consecutive ones, so (thread, item)
+    # order is (token, slot) order. Hits are ranked by a block-wide exclusive scan
+    # (warp shuffles, then the warp totals in shared memory).
+    base = tiles_before * D_TILE_M
+    running = cutlass.Int32(0)
+    hits = cute.make_rmem_tensor((D_ITEMS,), cutlass.Int32)
+    for chunk in cutlass.range(0, n, THREADS * D_ITEMS, unroll=1):
+        first = chunk + tidx * D_ITEMS
+        mine = cutlass.Int32(0)
+        for j in cutlass.range_constexpr(D_ITEMS):
+            hits[j] = 0
+            if first + j < n:
+                if ids[first + j] == e:
+                    hits[j] = 1
+            mine = mine + hits[j]
+        incl = mine
+        for sh in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << sh)
+            if lane >= (1 << sh):
+                incl = incl + up
+        if lane == 31:
+            warp_cnt[warp] = incl
+        cute.arch.sync_threads()
+        prefix = cutlass.Int32(0)
+        step_total = cutlass.Int32(0)
+        for w in cutlass.range_constexpr(D_WARPS):
+            cw = warp_cnt[w]
+            if w < warp:
+                prefix = prefix + cw
+            step_total = step_total + cw
+        rank = base + running + prefix + incl - mine
+        for j in cutlass.range_constexpr(D_ITEMS):
+            if hits[j] == 1:
+                pos[first + j] = rank
+                row_token[rank] = (first + j) // D_TOPK
+                rank = rank + 1
+        running = running + step_total
+        cute.arch.sync_threads()
+    cute.arch.sync_threads()  # shared_scalars may be written again by the caller's next expert
+
+SITE_DISPATCH = 6  # a CTA waited for every token to be routed, or every expert counted or placed
+# launch_sync entries (a buffer the runtime zeroes once; the launch leaves it zeroed)
+SYNC_COUNTED = 0  # experts counted
+SYNC_PLACED = 1  # experts placed
+SYNC_PASSED = 2  # CTAs past every wait: the last one zeroes them all for the next call
+SYNC_ROUTED = 3  # CTAs that routed their tokens (the routing launch)
+SYNC_COUNTERS = 4
+
+
+@cute.jit
+def arrive_and_wait(launch_sync: cute.Tensor, which: cutlass.Constexpr, add: cutlass.Int32, target: cutlass.Int32,
+                    status: cute.Pointer, failed: cutlass.Boolean, scalars: cute.Tensor,
+                    tidx: cutlass.Int32) -> cutlass.Boolean:
+    """Block-wide: this CTA's writes so far are released with `add` on launch_sync[which]
+    (nothing added if 0), then thread 0 waits until it reaches target (acquire, bounded);
+    returns whether some wait of this CTA gave up, in every thread."""
+    cute.arch.sync_threads()  # the CTA's writes happen before thread 0's fence and release
+    if tidx == 0:
+        cute.arch.fence_acq_rel_gpu()
+        if add > 0:
+            cute.arch.atomic_add(launch_sync.iterator + which, add, sem="release", scope="gpu")
+        gave_up = wait_count_bounded(launch_sync.iterator + which, target, status, failed, SITE_DISPATCH)
+        scalars[1] = cutlass.Int32(0)
+        if gave_up:
+            scalars[1] = cutlass.Int32(1)
+    cute.arch.sync_threads()  # thread 0's acquire happens before every thread's reads after it
+    return scalars[1] != 0
+
+
+@cute.jit
+def dispatch_in_launch(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, row_token: cute.Tensor,
+                       tile_expert: cute.Tensor, h_ready: cute.Tensor, tile_counter: cute.Tensor,
+                       launch_sync: cute.Tensor, warp_buf: cute.Tensor, scalars: cute.Tensor,
+                       tidx: cutlass.Int32):
+    """The launch's first phases, every thread of every CTA taking part:
+    count: CTA b counts experts b, b + grid, ... (CTA 0 first zeroes tile_counter: the tile
+    schedulers, the completion counters and the error code), then waits until
+    launch_sync[SYNC_COUNTED] says every expert is counted;
+    place: it places the same experts, then waits until launch_sync[SYNC_PLACED] says every
+    expert is placed; then the tiles may start.
+    Every wait is bounded (on timeout: the error code, and no further phase, tile or
+    combine). The positions, tables and bits are those of the dispatch kernels. Returns
+    (used M tiles, failed), the same in every thread."""
+    block, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    status = tile_counter.iterator + STATUS_SLOT
+    mine = cutlass.Int32(0)  # experts this CTA dispatches
+    if block < D_EXPERTS:
+        mine = (D_EXPERTS - 1 - block) // grid + 1
+    if block == 0:
+        for i in cutlass.range(tidx, cute.size(tile_counter), THREADS, unroll=1):
+            tile_counter[i] = 0
+    failed = cutlass.Boolean(False)
+    for i in cutlass.range(mine, unroll=1):
+        e = block + i * grid
+        total = count_expert(ids, e, tidx, warp_buf)
+        if tidx == 0:
+            counts[e] = total
+    failed = arrive_and_wait(launch_sync, SYNC_COUNTED, mine, D_EXPERTS, status, failed,
+                             scalars, tidx)
+    if failed:  # the counts may be incomplete: place nothing
+        mine = cutlass.Int32(0)
+    for i in cutlass.range(mine, unroll=1):
+        scatter_expert(ids, counts, block + i * grid, pos, row_token, tile_expert, tile_counter, h_ready, tidx,
+                       warp_buf, scalars)
+    if tidx < 32:
+        _, used, _ = expert_prefix(counts, 0, tidx)
+        if tidx == 0:
+            scalars[0] = used
+    failed = arrive_and_wait(launch_sync, SYNC_PLACED, mine, D_EXPERTS, status, failed, scalars, tidx)
+    used_tiles = scalars[0]
+    if failed:
+        used_tiles = cutlass.Int32(0)
+    if tidx == 0:  # every CTA is past every wait once SYNC_PASSED reaches grid: the last resets them
+        if cute.arch.atomic_add(launch_sync.iterator + SYNC_PASSED, cutlass.Int32(1), sem="relaxed", scope="gpu") == grid - 1:
+            for i in cutlass.range_constexpr(SYNC_COUNTERS):
+                launch_sync[i] = 0
+    return used_tiles, failed
 
 
 @cute.jit
@@ -284,6 +518,8 @@ class GemmFused:
         weights: cute.Tensor,
         pos: cute.Tensor,
         out: cute.Tensor,
+        counts: cute.Tensor,
+        launch_sync: cute.Tensor,
         stream: cuda.CUstream,
     ):
         m_rows = c.shape[0]
@@ -323,6 +559,8 @@ class GemmFused:
             mbar: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
             sched_mbar: cute.struct.MemRange[cutlass.Int64, SCHED_STAGES * 2]  # full, then empty
             sched_tile: cute.struct.MemRange[cutlass.Int32, SCHED_STAGES]
+            d_warp: cute.struct.MemRange[cutlass.Int32, THREADS // 32]  # the dispatch phase's warp totals
+            d_scalars: cute.struct.MemRange[cutlass.Int32, 2]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.io_dtype, cute.cosize(self.a_smem_staged)], self.buffer_align_bytes
             ]
@@ -349,6 +587,10 @@ class GemmFused:
             tile_counter,
             tma_a2, tma_mA2, tma_d, tma_mD, tma_c2, tma_mC2, h_ready,
             ids, weights, pos, c2, out,
+            # flat (T*K) views of the routing for the dispatch phase
+            cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * D_TOPK)),
+            cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * D_TOPK)),
+            counts, launch_sync,
             self.tiled_mma,
             self.a_smem_staged,
             self.b_smem_staged,
@@ -380,6 +622,10 @@ class GemmFused:
         pos: cute.Tensor,
         y: cute.Tensor,
         out: cute.Tensor,
+        ids_flat: cute.Tensor,
+        pos_flat: cute.Tensor,
+        counts: cute.Tensor,
+        launch_sync: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -388,7 +634,7 @@ class GemmFused:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
-        m_tiles_total = tile_counter[USED_SLOT]  # the used M tiles (dispatch wrote them)
+        # m_tiles_total: the dispatch phase below finds it
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b0)
@@ -400,6 +646,10 @@ class GemmFused:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        m_tiles_total, dispatch_failed = dispatch_in_launch(
+            ids_flat, counts, pos_flat, row_token, tile_expert, h_ready, tile_counter, launch_sync,
+            storage.d_warp.get_tensor(cute.make_layout(THREADS // 32)), storage.d_scalars.get_tensor(cute.make_layout(2)),
+            tidx)
         b_bytes = NUM_B * cute.size_in_bytes(self.io_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
         # Full barriers: the TMA thread (+ B bytes) and one arrive per producer warp
         # once its gathered A rows have landed. Empty barriers: one arrive per consumer warp.
@@ -777,7 +1027,10 @@ class GemmFused:
             cwarp = ctid // 32
             rows_pos = cute.make_rmem_tensor((TOPK,), cutlass.Int32)
             rows_w = cute.make_rmem_tensor((TOPK,), cutlass.Float32)
-            for t in cutlass.range(block * (CONSUMER_THREADS // 32) + cwarp, out.shape[0],
+            combine_rows = out.shape[0]
+            if dispatch_failed:  # the positions may never have been written
+                combine_rows = 0
+            for t in cutlass.range(block * (CONSUMER_THREADS // 32) + cwarp, combine_rows,
                                    grid * (CONSUMER_THREADS // 32), unroll=1):
                 for k in cutlass.range_constexpr(TOPK):
                     e = ids[t, k]
@@ -807,5 +1060,6 @@ def compile_entry(fake, entry):
     args.append(fake("c"))
     args += [fake("c2"), fake("h_ready")]
     args += [fake("ids"), fake("weights"), fake("pos"), fake("out")]
+    args += [fake("counts"), fake("launch_sync")]
     args.append(fake.stream())
     return GemmFused(), tuple(args)

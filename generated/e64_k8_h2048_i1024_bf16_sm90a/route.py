@@ -2,9 +2,9 @@
 # Variant: e64_k8_h2048_i1024_bf16_sm90a
 """Route: router logits [T, 64] (fp32) -> softmax -> top-8 -> ids, weights.
 
-One thread per token, 128 tokens per CTA. Softmax in fp32 (max-subtracted).
-Top-k by 8 passes over the logits, each taking the largest value below the
-previous pick; ties go to the lower expert id, so the result is deterministic.
+One warp per token, 4 tokens per CTA (route_token in templates/route_phases.py.j2):
+softmax in fp32 (max-subtracted), then top-8 by arg-max rounds over the warp's lanes;
+ties go to the lower expert id, so the result is deterministic.
 The selected weights are the softmax probabilities (no renormalisation).
 """
 import cuda.bindings.driver as cuda
@@ -12,46 +12,82 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-EXPERTS = 64
-TOPK = 8
 THREADS = 128
-RENORMALIZE = False
+R_EXPERTS = 64
+R_TOPK = 8
+R_RENORMALIZE = False
+R_SLOTS = (R_EXPERTS + 31) // 32  # logits per lane: lane l holds experts l, l + 32, ...
+
+
+@cute.jit
+def route_token(logits: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, t: cutlass.Int32,
+                lane: cutlass.Int32):
+    """Warp-wide (every lane of one warp calls it): route token t. Softmax over its logits
+    in fp32 (max-subtracted; the max and the sum are butterfly reductions over the lanes, a
+    fixed order), then top-R_TOPK by R_TOPK rounds, each taking the largest value below the
+    previous pick (each lane's best candidate, then a butterfly arg-max over the lanes); ties
+    go to the lower expert id, so the picks are deterministic and do not depend on the
+    reduction order. The weights are the softmax probabilities, renormalised over the picks
+    where R_RENORMALIZE. Lane 0 writes ids[t, :] and weights[t, :]. A token with no finite
+    logit gets id -1 (out of range: the dispatch reports it)."""
+    neg_inf = cutlass.Float32(-float("inf"))
+    vals = cute.make_rmem_tensor((R_SLOTS,), cutlass.Float32)
+    top = cutlass.Float32(neg_inf)
+    for s in cutlass.range_constexpr(R_SLOTS):
+        vals[s] = neg_inf
+        if lane + 32 * s < R_EXPERTS:
+            vals[s] = logits[t, lane + 32 * s]
+        top = cutlass.max(top, vals[s])
+    top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
+    denom = cutlass.Float32(0.0)
+    for s in cutlass.range_constexpr(R_SLOTS):
+        if lane + 32 * s < R_EXPERTS:
+            denom = denom + cute.math.exp(vals[s] - top)
+    denom = cute.arch.warp_reduction(denom, lambda a, b: a + b)
+    probs = cute.make_rmem_tensor((R_TOPK,), cutlass.Float32)
+    prev_v = cutlass.Float32(float("inf"))
+    prev_j = cutlass.Int32(-1)
+    picked = cutlass.Float32(0.0)
+    for k in cutlass.range_constexpr(R_TOPK):
+        best_v = cutlass.Float32(neg_inf)
+        best_j = cutlass.Int32(-1)
+        for s in cutlass.range_constexpr(R_SLOTS):
+            j = lane + 32 * s
+            v = vals[s]
+            if j < R_EXPERTS:
+                below = (v < prev_v) | ((v == prev_v) & (j > prev_j))
+                if below & ((best_j < 0) | (v > best_v)):
+                    best_v = v
+                    best_j = j
+        # arg-max over the lanes: a larger value wins, an equal one with a lower id; no candidate (-1) loses
+        for sh in cutlass.range_constexpr(5):
+            other_v = cute.arch.shuffle_sync_bfly(best_v, offset=1 << sh)
+            other_j = cute.arch.shuffle_sync_bfly(best_j, offset=1 << sh)
+            if (other_j >= 0) & ((best_j < 0) | (other_v > best_v) | ((other_v == best_v) & (other_j < best_j))):
+                best_v = other_v
+                best_j = other_j
+        probs[k] = cute.math.exp(best_v - top) / denom
+        picked = picked + probs[k]
+        prev_v = best_v
+        prev_j = best_j
+        if lane == 0:
+            ids[t, k] = best_j
+    if lane == 0:
+        for k in cutlass.range_constexpr(R_TOPK):
+            if cutlass.const_expr(R_RENORMALIZE):
+                weights[t, k] = probs[k] / picked
+            else:
+                weights[t, k] = probs[k]
+
 
 
 @cute.kernel
 def route_kernel(logits: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    t = bidx * THREADS + tidx
+    t = bidx * (THREADS // 32) + tidx // 32
     if t < logits.shape[0]:
-        neg_inf = cutlass.Float32(-float("inf"))
-        top = cutlass.Float32(neg_inf)
-        for j in cutlass.range(EXPERTS, unroll=1):
-            top = cutlass.max(top, logits[t, j])
-        denom = cutlass.Float32(0.0)
-        for j in cutlass.range(EXPERTS, unroll=1):
-            denom = denom + cute.math.exp(logits[t, j] - top)
-        prev_v = cutlass.Float32(float("inf"))
-        prev_j = cutlass.Int32(-1)
-        picked = cutlass.Float32(0.0)
-        for k in cutlass.range_constexpr(TOPK):
-            best_v = cutlass.Float32(neg_inf)
-            best_j = cutlass.Int32(-1)
-            for j in cutlass.range(EXPERTS, unroll=1):
-                v = logits[t, j]
-                below = (v < prev_v) | ((v == prev_v) & (j > prev_j))
-                if below & ((best_j < 0) | (v > best_v)):
-                    best_v = v
-                    best_j = j
-            p = cute.math.exp(best_v - top) / denom
-            ids[t, k] = best_j
-            weights[t, k] = p
-            picked = picked + p
-            prev_v = best_v
-            prev_j = best_j
-        if cutlass.const_expr(RENORMALIZE):
-            for k in cutlass.range_constexpr(TOPK):
-                weights[t, k] = weights[t, k] / picked
+        route_token(logits, ids, weights, t, cute.arch.lane_idx())
 
 
 class Route:
@@ -59,7 +95,7 @@ class Route:
     def __call__(self, logits: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, stream: cuda.CUstream):
         tokens = logits.shape[0]
         route_kernel(logits, ids, weights).launch(
-            grid=((tokens + THREADS - 1) // THREADS, 1, 1), block=(THREADS, 1, 1), stream=stream
+            grid=((tokens + THREADS // 32 - 1) // (THREADS // 32), 1, 1), block=(THREADS, 1, 1), stream=stream
         )
 
 

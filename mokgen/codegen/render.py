@@ -47,8 +47,11 @@ def _context_key(template: str) -> str:
 
 def _includes(k: KernelPlan) -> list[str]:
     """Templates a kernel's template includes (their hashes decide staleness too)."""
-    return ["ep_rows.py.j2"] if k.template == "ep_exchange.py.j2" or k.params.get("ep_return") \
-        or k.params.get("send_in_gemm") else []
+    ep_rows = k.template == "ep_exchange.py.j2" or k.params.get("ep_return") or k.params.get("send_in_gemm")
+    phases = k.template == "dispatch.py.j2" or k.params.get("dispatch")
+    route = k.template == "route.py.j2" or k.params.get("route")
+    return (["ep_rows.py.j2"] if ep_rows else []) + (["dispatch_phases.py.j2"] if phases else []) \
+        + (["route_phases.py.j2"] if route else [])
 
 
 def _shim_kernel(k: KernelPlan) -> dict:

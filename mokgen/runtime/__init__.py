@@ -86,16 +86,19 @@ def _find_built(want: dict) -> Variant | None:
     return None
 
 
-def find_variant(E, K, H, I, S, world_size: int = 1) -> Variant:
+def find_variant(E, K, H, I, S, world_size: int = 1, renormalize: bool | None = None) -> Variant:
     """The variant serving these shapes (E: all experts of the group): an existing build whose
-    spec matches, else a new build."""
-    key = (os.environ.get("MOKGEN_HOME"), E, K, H, I, S, world_size)
+    spec matches, else a new build. renormalize: None where the layer does not route (any
+    build serves), else the routing's renormalisation."""
+    key = (os.environ.get("MOKGEN_HOME"), E, K, H, I, S, world_size, renormalize)
     if key not in _BY_SHAPE:  # (found once per process: the lookup reads manifests)
         topology = "nvlink" if world_size > 1 else "single"
         want = dict(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=world_size)
+        if renormalize is not None:
+            want["renormalize"] = renormalize
         _BY_SHAPE[key] = _find_built(want) or load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I,
                                                            shared_intermediate=S, world_size=world_size,
-                                                           topology=topology))
+                                                           topology=topology, renormalize=bool(renormalize)))
     return _BY_SHAPE[key]
 
 
@@ -152,10 +155,10 @@ def _needs_grad(*params) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
 
 
-def _variant_for(E, K, H, I, S, world_size: int = 1) -> Variant:
+def _variant_for(E, K, H, I, S, world_size: int = 1, renormalize: bool | None = None) -> Variant:
     """find_variant, with a spec the sizes make illegal reported as the caller's InputError."""
     try:
-        return find_variant(E, K, H, I, S, world_size=world_size)
+        return find_variant(E, K, H, I, S, world_size=world_size, renormalize=renormalize)
     except Exception as e:  # spec errors name the offending size
         if e.__class__.__name__ == "SpecError":
             gpus = f" for {world_size} GPUs" if world_size > 1 else ""
@@ -220,8 +223,36 @@ def release_peer_workspaces() -> None:
     release_all()
 
 
-def route(router_logits, topk: int, *, renormalize: bool = False, variant: Variant | None = None):
-    """Router logits [T, E] fp32 -> (topk_ids int32, topk_weights fp32), the generated route kernel."""
+def moe_routed(x, router_logits, topk: int, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
+               renormalize: bool = False):
+    """The layer from router logits: (out, topk_ids, topk_weights), where (topk_ids,
+    topk_weights) = route(router_logits, topk, renormalize=...) and out = moe(x, topk_ids,
+    topk_weights, ...), bit for bit. Calls the single launch serves (T up to the Plan's
+    fused_max_tokens, one GPU) run route, dispatch, the GEMMs and the combine in one launch;
+    larger ones, and calls under autograd (differentiable in x, router_logits through the
+    weights, and the experts' weights), run route, then moe. No host synchronisation: ids
+    the router could not pick (non-finite logits) are reported by the device, as InputError
+    at mokgen.check_errors() or the next call."""
+    _check_logits(router_logits)
+    T, E = router_logits.shape
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != T:
+        raise InputError(f"x must be [T, H] with T = router_logits.shape[0] = {T}, got "
+                         f"{list(getattr(x, 'shape', [])) or type(x).__name__}")
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= E:
+        raise InputError(f"topk must be an integer in [1, {E}], got {topk!r}")
+    ids_like = torch.empty((T, topk), dtype=torch.int32, device=router_logits.device)
+    E_w, K, H, I, S = check_moe_inputs(x, ids_like, ids_like.float(), w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    if E_w != E:
+        raise InputError(f"router_logits route over {E} experts, the weights hold {E_w}")
+    if _needs_grad(x, router_logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+        ids, weights = route(router_logits, topk, renormalize=renormalize)
+        return moe(x, ids, weights, w_gate, w_up, w_down, ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down,
+                   check_ids=False), ids, weights
+    v = _variant_for(E, K, H, I, S, renormalize=renormalize)
+    return v.ops.forward_routed(x, router_logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+
+
+def _check_logits(router_logits) -> None:
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
         raise InputError("router_logits must be a 2-d tensor [T, E]")
     if router_logits.dtype != torch.float32:
@@ -230,6 +261,11 @@ def route(router_logits, topk: int, *, renormalize: bool = False, variant: Varia
         raise InputError(f"router_logits must be on a CUDA device, got {router_logits.device}")
     if not router_logits.is_contiguous():
         raise InputError("router_logits must be contiguous (call .contiguous())")
+
+
+def route(router_logits, topk: int, *, renormalize: bool = False, variant: Variant | None = None):
+    """Router logits [T, E] fp32 -> (topk_ids int32, topk_weights fp32), the generated route kernel."""
+    _check_logits(router_logits)
     E = router_logits.shape[1]
     if variant is None:
         from ..ir import SpecError
@@ -255,4 +291,4 @@ def check_errors() -> None:
 
 
 __all__ = ["InputError", "KernelTimeout", "LaunchError", "RendezvousTimeout", "Variant", "VariantNotBuilt",
-           "check_errors", "load", "moe", "route", "find_variant", "release_peer_workspaces"]
+           "check_errors", "load", "moe", "moe_routed", "route", "find_variant", "release_peer_workspaces"]

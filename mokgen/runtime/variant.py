@@ -42,7 +42,8 @@ class KernelTimeout(RuntimeError):
 # Where a GEMM wait gave up (the low 4 bits of its error code; templates/grouped_gemm_persistent.py.j2).
 WAIT_SITES = {1: "a consumer waiting for a loaded pipeline stage", 2: "the producer waiting for a free pipeline stage",
               3: "a warp waiting on the tile scheduler", 4: "a down tile waiting for its gate/up tiles (h_ready)",
-              5: "the return waiting for an M tile's down tiles (down_ready)"}
+              5: "the return waiting for an M tile's down tiles (down_ready)",
+              6: "a CTA waiting for every expert to be counted, or placed (the dispatch inside the launch)"}
 
 
 def timeout_message(variant: str, gemm_by_slot: dict, code: int, timeout_ms: int) -> str:
@@ -104,6 +105,12 @@ class Variant:
               for s in b["shape"]], b["init"])
             for b in self.plan["buffers"] if b.get("memory", "call") == "call"
         ]
+        # "state" buffers (the single launch's dispatch counters): zeroed once per device and
+        # stream, then kept; the kernels leave them zeroed. One per stream, so calls on two
+        # streams never share counters.
+        self._state_shapes = {b["name"]: (DTYPES[b["dtype"]], tuple(int(d) for d in b["shape"]))
+                              for b in self.plan["buffers"] if b.get("memory") == "state"}
+        self._state: dict = {}  # (name, device, stream) -> tensor
         self.expert_parallel = self.spec.world_size > 1
         self._side_kernels = frozenset(self.plan.get("side_stream", ()))
         self._own_streams: dict = {}  # device -> (main, side): the streams of a two-stream entry
@@ -120,8 +127,11 @@ class Variant:
         # memory behind its kernels, checked without a sync.
         self._status_slot = next((k["params"]["status_slot"] for k in self.plan["kernels"]
                                   if "status_slot" in k["params"]), None)
-        self._gemm_by_slot = {k["params"]["sched_slot"]: k["name"] for k in self.plan["kernels"]
-                              if "sched_slot" in k["params"]}
+        self._gemm_by_slot = {}  # (the fused launch and its routing twin share a slot: only one runs per call)
+        for k in self.plan["kernels"]:
+            if "sched_slot" in k["params"]:
+                slot = k["params"]["sched_slot"]
+                self._gemm_by_slot[slot] = " or ".join(filter(None, [self._gemm_by_slot.get(slot), k["name"]]))
         self._status_host = None
         self._status_event = None
         self.ops = None if self.profiling else _register_ops(self)
@@ -166,9 +176,19 @@ class Variant:
                 ws[name] = torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=device)
             else:
                 ws[name] = torch.empty(shape, dtype=dt, device=device)
+        for name in used.intersection(self._state_shapes):
+            ws[name] = self._state_buffer(name, device)
         if peers is not None:
             ws.update(peers.buffers)
         return ws
+
+    def _state_buffer(self, name: str, device):
+        stream = torch.cuda.current_stream(device)
+        key = (name, stream.device, stream.cuda_stream)
+        if key not in self._state:
+            dt, shape = self._state_shapes[name]
+            self._state[key] = torch.zeros(shape, dtype=dt, device=device)
+        return self._state[key]
 
     def _check_status(self, wait: bool) -> None:
         """Raise what an earlier call's kernels recorded (KernelTimeout for a timed-out wait,
@@ -183,6 +203,8 @@ class Variant:
         code = int(self._status_host[0])
         if code:
             self._status_host[0] = 0
+            for t in self._state.values():  # a launch that gave up a wait may leave counters raised
+                t.zero_()
             raise status_error(self.name, self.spec.experts, self._gemm_by_slot, code,
                                self.plan["overrides"].get("wait_timeout_ms", WAIT_TIMEOUT_MS))
 
@@ -355,6 +377,30 @@ class Variant:
     def why_no_backward(self) -> str:
         return backward_decision(self.plan)
 
+    def forward_routed(self, x, logits, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
+        """(out, topk_ids, topk_weights) from the router logits: one launch (route, dispatch,
+        GEMMs, combine) where the Plan has it and T is one the fused launch serves, else the
+        route kernel, then forward. Either way the same bits."""
+        tokens = x.shape[0]
+        if "forward_routed" not in self.plan["steps"] or tokens == 0 \
+                or self.forward_entry(tokens) != "forward_fused" and "forward_fused" in self.plan["steps"]:
+            ids, weights = self.route(logits)
+            return self.forward(x, ids, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down), ids, weights
+        K = self.spec.topk
+        out = torch.empty_like(x)
+        ids = torch.empty(tokens, K, dtype=torch.int32, device=x.device)
+        weights = torch.empty(tokens, K, dtype=torch.float32, device=x.device)
+        self._check_status(wait=False)
+        with torch.cuda.device(x.device):
+            env = self._workspace(tokens, x.device, "forward_routed")
+            env.update(x=x, logits=logits, topk_ids=ids, topk_weights=weights, w_gate=w_gate, w_up=w_up,
+                       w_down=w_down, out=out)
+            if ws_gate is not None:
+                env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
+            self.run("forward_routed", env, x.device)
+            self._record_status(env)
+        return out, ids, weights
+
     def route(self, logits):
         tokens = logits.shape[0]
         K = self.spec.topk
@@ -465,6 +511,18 @@ def _register_ops(v: Variant):
 
     forward_train.register_autograd(autograd_backward_train, setup_context=setup_context_train)
 
+    @torch.library.custom_op(f"mokgen::{v.name}_forward_routed", mutates_args=())
+    def forward_routed(x: Tensor, logits: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                       ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None,
+                       ws_down: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+        return Ops.variant.forward_routed(x, logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+
+    @forward_routed.register_fake
+    def _(x, logits, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
+        K = Ops.variant.spec.topk
+        return (torch.empty_like(x), x.new_empty(x.shape[0], K, dtype=torch.int32),
+                x.new_empty(x.shape[0], K, dtype=torch.float32))
+
     @torch.library.custom_op(f"mokgen::{v.name}_route", mutates_args=())
     def route(logits: Tensor) -> tuple[Tensor, Tensor]:
         return Ops.variant.route(logits)
@@ -499,6 +557,7 @@ def _register_ops(v: Variant):
     Ops.forward_train = forward_train
     Ops.backward = backward
     Ops.route = route
+    Ops.forward_routed = forward_routed
     Ops.route_backward = route_backward
     _OPS[v.name] = Ops
     return Ops

@@ -84,7 +84,9 @@ class Buffer:
     shape: list  # strings: sympy expressions of T (or, expert parallel, of the capacity C)
     init: str = "none"  # "none" | "zeros"
     # "call": allocated per call at its T; expert parallel: "persistent" (once per peer
-    # workspace, at its capacity C) or "symmetric" (the same, in memory peers store into)
+    # workspace, at its capacity C) or "symmetric" (the same, in memory peers store into);
+    # "state": zeroed once per device and stream by the runtime, kept across calls (the
+    # kernels that use it leave it zeroed)
     memory: str = "call"
 
 
@@ -278,10 +280,12 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     paths, why = forward_paths(spec, target, row_tile, overrides, cluster_m)
     decisions.append(why)
     fuse = paths != "multi"  # the Plan has the fused launch (and dispatch feeds it)
-    for key, needs in (("gemm_fused.wave_lag", fuse), ("ep_fused_combine", fuse and ep)):
+    for key, needs in (("gemm_fused.wave_lag", fuse), ("ep_fused_combine", fuse and ep),
+                       ("dispatch_in_launch", fuse and not ep)):
         if key in (overrides or {}) and not needs:  # an override that would change nothing is an error
             raise PlanError(f"{key}: the layer is not expert parallel" if key.startswith("ep_") and not ep else
-                            f"{key}: this Plan has no single launch ({why})")
+                            f"{key}: the expert-parallel single launch runs after dispatch, publish and layout"
+                            if key == "dispatch_in_launch" and ep else f"{key}: this Plan has no single launch ({why})")
     # The fused launch combines too, except in a profiling build (which times the combine
     # as its own kernel; expert parallel: the combine reads the returned rows after the wait).
     fused_combine = fuse and not ep and not (overrides or {}).get("profile")
@@ -327,8 +331,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         args=[KernelArg("logits", "logits", "f32", ["T", spec.experts]),
               KernelArg("ids", "topk_ids", "i32", ["T", K]),
               KernelArg("weights", "topk_weights", "f32", ["T", K])],
-        grid=f"(ceil(T/{route_threads}),)", block=route_threads,
-        warp_roles=["all warps: one token per thread"]))
+        grid=f"(ceil(T/{route_threads // 32}),)", block=route_threads,
+        warp_roles=["each warp: one token (lanes hold its logits; arg-max rounds over the lanes)"]))
     # its backward (mokgen.route is differentiable): d_logits from d_topk_weights
     kernels.append(KernelPlan(
         name="route_backward", stage="route_backward", module="route_backward", template="route_backward.py.j2",
@@ -498,8 +502,20 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             raise PlanError("gemm_fused.wave_lag: the wavefront tile order is not generated with a shared expert")
         kernels[-1].params["wave_lag"] = lag
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
-        steps["forward_fused" if paths == "by_tokens" else "forward"] = ["dispatch_count", "dispatch_scatter",
-                                                                           "gemm_fused"]
+        in_launch = dispatch_in_launch(kernels[-1], dparams, overrides or {}, buffers)
+        steps["forward_fused" if paths == "by_tokens" else "forward"] = \
+            ["gemm_fused"] if in_launch else ["dispatch_count", "dispatch_scatter", "gemm_fused"]
+        if in_launch:
+            decisions.append(
+                "gemm_fused also dispatches: each CTA counts, then places, every grid-th expert's pairs (the "
+                "dispatch kernels' code and bits) before it takes tiles; two launch-wide counters order the phases "
+                "(bounded waits; the last CTA past them zeroes them for the next call), so the forward is one launch")
+            kernels.append(routed_launch(kernels[-1], spec))
+            steps["forward_routed"] = ["gemm_fused_routed"]
+            decisions.append(
+                "gemm_fused_routed: the same launch, routing first (router logits -> softmax -> top-k, the route "
+                "kernel's code and bits, one token per warp; a third counter says when every CTA has routed): "
+                "mokgen.moe_routed runs it for calls the fused launch serves")
         decisions.append(
             f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
             f"tiles, then all down tiles); a down tile waits until h_ready[m] counts the "
@@ -537,7 +553,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         dict(experts=d_experts, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
         cargs, grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
     for entry in steps:  # the fused launch may combine itself
-        if not (fused_combine and "gemm_fused" in steps[entry]):
+        if not (fused_combine and {"gemm_fused", "gemm_fused_routed"} & set(steps[entry])):
             steps[entry].append("combine")
     if fused_combine:
         decisions.append(
@@ -776,6 +792,42 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
                       smem_bytes=gateup.smem_bytes)
 
 
+def dispatch_in_launch(fused: KernelPlan, dparams: dict, overrides: dict, buffers: list) -> bool:
+    """The single-GPU fused launch dispatches too (override dispatch_in_launch: false keeps
+    the two dispatch kernels before it). It needs the launch to combine (it writes the
+    positions the combine reads) and takes the dispatch's Plan params, its counts and a
+    launch_sync buffer (three counters, zeroed once by the runtime and left zeroed by every
+    launch)."""
+    if not overrides.get("dispatch_in_launch", True) or not fused.params.get("combine"):
+        if overrides.get("debug_break_dispatch"):
+            raise PlanError("debug_break_dispatch: this Plan's single launch does not dispatch")
+        return False
+    fused.params["dispatch"] = dict(dparams, threads=fused.params["threads"], fused=True,
+                                    debug_break=bool(overrides.get("debug_break_dispatch")),
+                                    sync_counters=LAUNCH_SYNC_COUNTERS)
+    fused.args += [KernelArg("counts", "counts", "i32", [dparams["experts"]]),
+                   KernelArg("launch_sync", "launch_sync", "i32", [LAUNCH_SYNC_COUNTERS])]
+    buffers.append(Buffer("launch_sync", "i32", [str(LAUNCH_SYNC_COUNTERS)], memory="state"))
+    return True
+
+
+def routed_launch(fused: KernelPlan, spec: MoESpec) -> KernelPlan:
+    """gemm_fused that routes first: router logits in, topk_ids and topk_weights out (they
+    are its arguments as before; the route phase writes them)."""
+    k = copy.deepcopy(fused)
+    k.name = k.module = "gemm_fused_routed"
+    k.params.update(name=k.name, class_name="GemmFusedRouted", doc=k.params["doc"][:-1] + ", routing first.",
+                    route=dict(experts=spec.experts, topk=spec.topk, renormalize=spec.renormalize))
+    k.args.append(KernelArg("logits", "logits", "f32", ["T", spec.experts]))
+    k.warp_roles = ["all warps first: route one token per warp, then count and place"] + k.warp_roles
+    return k
+
+
+# dispatch inside the fused launch: experts counted, experts placed, CTAs past every wait,
+# CTAs that routed (the routing launch)
+LAUNCH_SYNC_COUNTERS = 4
+
+
 def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -> None:
     """A profiling build: kernel K of the forward gets a zeroed buffer prof_K [tasks, 3] (i64:
     SM id, start ns, end ns; one row per task, at the task's index) as its last argument."""
@@ -789,11 +841,13 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 
 # debug_unchecked skips the safety checks (tests inject a deadlock with it);
 # debug_break_dependency makes the fused launch's down tiles wait for a count h_ready never
-# reaches (tests check that a broken dependency ends in a clear error, not a hang).
-OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|profile|fuse_gemms"
+# reaches, debug_break_dispatch its CTAs wait for one expert more than there are (tests check
+# that a broken dependency ends in a clear error, not a hang).
+OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|debug_break_dispatch"
+                           r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
-                           r"|ep_fused_combine|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
+                           r"|ep_fused_combine|dispatch_in_launch|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
 
 
@@ -804,8 +858,8 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"unknown plan override {key!r}")
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
-        if key in ("debug_unchecked", "debug_break_dependency", "profile", "fuse_gemms", "dispatch_chunked",
-                   "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine"):
+        if key in ("debug_unchecked", "debug_break_dependency", "debug_break_dispatch", "profile", "fuse_gemms", "dispatch_chunked",
+                   "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue

@@ -121,21 +121,19 @@ def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
     m_tiles = sympy.ceiling(T * K / bm) + E
     ng = math.ceil(gu["n_size"] / gu["tile_n"])
     nd = math.ceil(dn["n_size"] / dn["tile_n"])
-    token_block = 128
     kinds = [
-        TaskKind("route", "route", f"{token_block} tokens", _e(sympy.ceiling(T / token_block)), "-",
-                 "routed += 1", 0),
-        TaskKind("count", "send", "one expert", str(E), f"routed == ceil(T/{token_block})", "counted += 1", 1),
-        TaskKind("scatter", "send", "one expert", str(E), f"counted == {E}", "placed[e] = 1", 2),
+        TaskKind("route", "route", "a CTA's tokens (one per warp)", "CTAs", "-", "routed += 1", 0),
+        TaskKind("count", "send", "one expert", str(E), "routed == CTAs", "counted += 1", 1),
+        TaskKind("scatter", "send", "one expert", str(E), f"counted == {E}", "placed += 1", 2),
         TaskKind("gateup", "gemm_gateup", f"{bm}x{gu['tile_n']} tile of h", _e(m_tiles * ng),
-                 "placed[expert(m)] == 1", "h_ready[m] += 1", 3),
+                 f"placed == {E}", "h_ready[m] += 1", 3),
         TaskKind("down", "gemm_down", f"{bm}x{dn['tile_n']} tile of y", _e(m_tiles * nd),
                  f"h_ready[m] == {ng}", "y_done += 1", 5),
     ]
     counters = [
-        Counter("routed", "1", "route blocks finished"),
+        Counter("routed", "1", "CTAs that routed their tokens"),
         Counter("counted", "1", "experts counted"),
-        Counter("placed", str(E), "expert's rows placed and tile table written"),
+        Counter("placed", "1", "experts whose rows are placed and tile table written"),
         Counter("h_ready", _e(m_tiles), "gate/up tiles finished per M tile"),
         Counter("y_done", "1", "down tiles finished"),
     ]
@@ -162,9 +160,10 @@ def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
         sm_roles={"compute": target.sms, "communication": 0},
         rule=("each persistent CTA takes the lowest-priority-number task whose wait is met; "
               "fill tasks (shared expert) run whenever nothing else is ready; every wait is bounded "
-              "(timeout -> error code, never a hang); counters are zeroed before the launch"),
-        notes=["route tasks run only on the fused-routing entry point; with precomputed routing, "
-               "count starts at once"],
+              "(timeout -> error code, never a hang); the tile counters are zeroed by the launch's CTA 0 "
+              "before it counts, the dispatch counters left zeroed by the launch before"),
+        notes=["route tasks run only on the routing entry point (mokgen.moe_routed: gemm_fused_routed); "
+               "with precomputed routing, count starts at once"],
     )
 
 
@@ -249,7 +248,8 @@ def simulate(spec, plan_params: dict, target: Target, tokens: int, fused: bool =
         return end
 
     counted = max(run("count", 0.0) for _ in range(E))
-    placed = [run("scatter", counted) for _ in range(E)]
+    placed_all = max(run("scatter", counted) for _ in range(E))
+    placed = [placed_all] * E
     shared_end = 0.0
     if spec.shared_intermediate:
         # Fill work: issued after the dispatch tasks, before the routed tiles are ready.
