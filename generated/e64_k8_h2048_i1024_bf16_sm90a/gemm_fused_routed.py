@@ -326,6 +326,27 @@ R_SLOTS = (R_EXPERTS + 31) // 32  # logits per lane: lane l holds experts l, l +
 
 
 @cute.jit
+def softmax_stats(logits: cute.Tensor, t: cutlass.Int32, lane: cutlass.Int32, vals: cute.Tensor):
+    """Warp-wide: token t's logits into vals (lane l holds experts l, l + 32, ...; -inf past
+    the last), and (max, sum of exp(logit - max)) over all of them, the same in every lane:
+    butterfly reductions over the lanes, a fixed order, so the route and its backward
+    compute the same probabilities bit for bit."""
+    top = cutlass.Float32(-float("inf"))
+    for s in cutlass.range_constexpr(R_SLOTS):
+        vals[s] = cutlass.Float32(-float("inf"))
+        if lane + 32 * s < R_EXPERTS:
+            vals[s] = logits[t, lane + 32 * s]
+        top = cutlass.max(top, vals[s])
+    top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
+    denom = cutlass.Float32(0.0)
+    for s in cutlass.range_constexpr(R_SLOTS):
+        if lane + 32 * s < R_EXPERTS:
+            denom = denom + cute.math.exp(vals[s] - top)
+    denom = cute.arch.warp_reduction(denom, lambda a, b: a + b)
+    return top, denom
+
+
+@cute.jit
 def route_token(logits: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, t: cutlass.Int32,
                 lane: cutlass.Int32):
     """Warp-wide (every lane of one warp calls it): route token t. Softmax over its logits
@@ -338,18 +359,7 @@ def route_token(logits: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, t: 
     logit gets id -1 (out of range: the dispatch reports it)."""
     neg_inf = cutlass.Float32(-float("inf"))
     vals = cute.make_rmem_tensor((R_SLOTS,), cutlass.Float32)
-    top = cutlass.Float32(neg_inf)
-    for s in cutlass.range_constexpr(R_SLOTS):
-        vals[s] = neg_inf
-        if lane + 32 * s < R_EXPERTS:
-            vals[s] = logits[t, lane + 32 * s]
-        top = cutlass.max(top, vals[s])
-    top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
-    denom = cutlass.Float32(0.0)
-    for s in cutlass.range_constexpr(R_SLOTS):
-        if lane + 32 * s < R_EXPERTS:
-            denom = denom + cute.math.exp(vals[s] - top)
-    denom = cute.arch.warp_reduction(denom, lambda a, b: a + b)
+    top, denom = softmax_stats(logits, t, lane, vals)
     probs = cute.make_rmem_tensor((R_TOPK,), cutlass.Float32)
     prev_v = cutlass.Float32(float("inf"))
     prev_j = cutlass.Int32(-1)

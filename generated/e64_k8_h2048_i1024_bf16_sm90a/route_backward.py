@@ -10,57 +10,131 @@ backward is
 
 Not renormalised (w_k = p[i_k]): G_k = d_w_k.
 
-One thread per token, 128 tokens per CTA; p is recomputed from the logits (the
-forward's max-subtracted softmax); every sum runs over k or j in order: the same bits every run.
+One warp per token, 4 tokens per CTA; p is recomputed from the logits with the
+forward's own softmax (softmax_stats in templates/route_phases.py.j2, the same bits); every sum
+runs in a fixed order: the same bits every run.
 """
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
 
-EXPERTS = 64
-TOPK = 8
 THREADS = 128
-RENORMALIZE = False
+R_EXPERTS = 64
+R_TOPK = 8
+R_RENORMALIZE = False
+R_SLOTS = (R_EXPERTS + 31) // 32  # logits per lane: lane l holds experts l, l + 32, ...
+
+
+@cute.jit
+def softmax_stats(logits: cute.Tensor, t: cutlass.Int32, lane: cutlass.Int32, vals: cute.Tensor):
+    """Warp-wide: token t's logits into vals (lane l holds experts l, l + 32, ...; -inf past
+    the last), and (max, sum of exp(logit - max)) over all of them, the same in every lane:
+    butterfly reductions over the lanes, a fixed order, so the route and its backward
+    compute the same probabilities bit for bit."""
+    top = cutlass.Float32(-float("inf"))
+    for s in cutlass.range_constexpr(R_SLOTS):
+        vals[s] = cutlass.Float32(-float("inf"))
+        if lane + 32 * s < R_EXPERTS:
+            vals[s] = logits[t, lane + 32 * s]
+        top = cutlass.max(top, vals[s])
+    top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
+    denom = cutlass.Float32(0.0)
+    for s in cutlass.range_constexpr(R_SLOTS):
+        if lane + 32 * s < R_EXPERTS:
+            denom = denom + cute.math.exp(vals[s] - top)
+    denom = cute.arch.warp_reduction(denom, lambda a, b: a + b)
+    return top, denom
+
+
+@cute.jit
+def route_token(logits: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, t: cutlass.Int32,
+                lane: cutlass.Int32):
+    """Warp-wide (every lane of one warp calls it): route token t. Softmax over its logits
+    in fp32 (max-subtracted; the max and the sum are butterfly reductions over the lanes, a
+    fixed order), then top-R_TOPK by R_TOPK rounds, each taking the largest value below the
+    previous pick (each lane's best candidate, then a butterfly arg-max over the lanes); ties
+    go to the lower expert id, so the picks are deterministic and do not depend on the
+    reduction order. The weights are the softmax probabilities, renormalised over the picks
+    where R_RENORMALIZE. Lane 0 writes ids[t, :] and weights[t, :]. A token with no finite
+    logit gets id -1 (out of range: the dispatch reports it)."""
+    neg_inf = cutlass.Float32(-float("inf"))
+    vals = cute.make_rmem_tensor((R_SLOTS,), cutlass.Float32)
+    top, denom = softmax_stats(logits, t, lane, vals)
+    probs = cute.make_rmem_tensor((R_TOPK,), cutlass.Float32)
+    prev_v = cutlass.Float32(float("inf"))
+    prev_j = cutlass.Int32(-1)
+    picked = cutlass.Float32(0.0)
+    for k in cutlass.range_constexpr(R_TOPK):
+        best_v = cutlass.Float32(neg_inf)
+        best_j = cutlass.Int32(-1)
+        for s in cutlass.range_constexpr(R_SLOTS):
+            j = lane + 32 * s
+            v = vals[s]
+            if j < R_EXPERTS:
+                below = (v < prev_v) | ((v == prev_v) & (j > prev_j))
+                if below & ((best_j < 0) | (v > best_v)):
+                    best_v = v
+                    best_j = j
+        # arg-max over the lanes: a larger value wins, an equal one with a lower id; no candidate (-1) loses
+        for sh in cutlass.range_constexpr(5):
+            other_v = cute.arch.shuffle_sync_bfly(best_v, offset=1 << sh)
+            other_j = cute.arch.shuffle_sync_bfly(best_j, offset=1 << sh)
+            if (other_j >= 0) & ((best_j < 0) | (other_v > best_v) | ((other_v == best_v) & (other_j < best_j))):
+                best_v = other_v
+                best_j = other_j
+        probs[k] = cute.math.exp(best_v - top) / denom
+        picked = picked + probs[k]
+        prev_v = best_v
+        prev_j = best_j
+        if lane == 0:
+            ids[t, k] = best_j
+    if lane == 0:
+        for k in cutlass.range_constexpr(R_TOPK):
+            if cutlass.const_expr(R_RENORMALIZE):
+                weights[t, k] = probs[k] / picked
+            else:
+                weights[t, k] = probs[k]
+
 
 
 @cute.kernel
 def route_backward_kernel(logits: cute.Tensor, ids: cute.Tensor, d_weights: cute.Tensor, d_logits: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    t = bidx * THREADS + tidx
+    t = bidx * (THREADS // 32) + tidx // 32
+    lane = cute.arch.lane_idx()
     if t < logits.shape[0]:
-        top = cutlass.Float32(-float("inf"))
-        for j in cutlass.range(EXPERTS, unroll=1):
-            top = cutlass.max(top, logits[t, j])
-        denom = cutlass.Float32(0.0)
-        for j in cutlass.range(EXPERTS, unroll=1):
-            denom = denom + cute.math.exp(logits[t, j] - top)
-        picked = cute.make_rmem_tensor((TOPK,), cutlass.Int32)
-        grad = cute.make_rmem_tensor((TOPK,), cutlass.Float32)  # G_k
-        prob = cute.make_rmem_tensor((TOPK,), cutlass.Float32)  # p[i_k]
-        for k in cutlass.range_constexpr(TOPK):
+        vals = cute.make_rmem_tensor((R_SLOTS,), cutlass.Float32)
+        top, denom = softmax_stats(logits, t, lane, vals)
+        # every lane: the K picks' probabilities and gradients (K small loads, the same addresses)
+        picked = cute.make_rmem_tensor((R_TOPK,), cutlass.Int32)
+        grad = cute.make_rmem_tensor((R_TOPK,), cutlass.Float32)  # G_k
+        prob = cute.make_rmem_tensor((R_TOPK,), cutlass.Float32)  # p[i_k]
+        for k in cutlass.range_constexpr(R_TOPK):
             picked[k] = ids[t, k]
             prob[k] = cute.math.exp(logits[t, picked[k]] - top) / denom
             grad[k] = d_weights[t, k]
-        if cutlass.const_expr(RENORMALIZE):
+        if cutlass.const_expr(R_RENORMALIZE):
             total = cutlass.Float32(0.0)
-            for k in cutlass.range_constexpr(TOPK):
+            for k in cutlass.range_constexpr(R_TOPK):
                 total = total + prob[k]
             dot = cutlass.Float32(0.0)  # sum_m d_w_m w_m
-            for k in cutlass.range_constexpr(TOPK):
+            for k in cutlass.range_constexpr(R_TOPK):
                 dot = dot + grad[k] * (prob[k] / total)
-            for k in cutlass.range_constexpr(TOPK):
+            for k in cutlass.range_constexpr(R_TOPK):
                 grad[k] = (grad[k] - dot) / total
-        s = cutlass.Float32(0.0)
-        for k in cutlass.range_constexpr(TOPK):
-            s = s + grad[k] * prob[k]
-        for j in cutlass.range(EXPERTS, unroll=1):
-            g = cutlass.Float32(0.0)
-            for k in cutlass.range_constexpr(TOPK):
-                if picked[k] == j:
-                    g = grad[k]
-            d_logits[t, j] = cute.math.exp(logits[t, j] - top) / denom * (g - s)
+        s_sum = cutlass.Float32(0.0)
+        for k in cutlass.range_constexpr(R_TOPK):
+            s_sum = s_sum + grad[k] * prob[k]
+        for s in cutlass.range_constexpr(R_SLOTS):  # lane l writes experts l, l + 32, ...
+            j = lane + 32 * s
+            if j < R_EXPERTS:
+                g = cutlass.Float32(0.0)
+                for k in cutlass.range_constexpr(R_TOPK):
+                    if picked[k] == j:
+                        g = grad[k]
+                d_logits[t, j] = cute.math.exp(vals[s] - top) / denom * (g - s_sum)
 
 
 class RouteBackward:
@@ -69,7 +143,7 @@ class RouteBackward:
                  stream: cuda.CUstream):
         tokens = logits.shape[0]
         route_backward_kernel(logits, ids, d_weights, d_logits).launch(
-            grid=((tokens + THREADS - 1) // THREADS, 1, 1), block=(THREADS, 1, 1), stream=stream
+            grid=((tokens + THREADS // 32 - 1) // (THREADS // 32), 1, 1), block=(THREADS, 1, 1), stream=stream
         )
 
 

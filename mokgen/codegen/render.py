@@ -49,7 +49,7 @@ def _includes(k: KernelPlan) -> list[str]:
     """Templates a kernel's template includes (their hashes decide staleness too)."""
     ep_rows = k.template == "ep_exchange.py.j2" or k.params.get("ep_return") or k.params.get("send_in_gemm")
     phases = k.template == "dispatch.py.j2" or k.params.get("dispatch")
-    route = k.template == "route.py.j2" or k.params.get("route")
+    route = k.template in ("route.py.j2", "route_backward.py.j2") or k.params.get("route")
     return (["ep_rows.py.j2"] if ep_rows else []) + (["dispatch_phases.py.j2"] if phases else []) \
         + (["route_phases.py.j2"] if route else [])
 

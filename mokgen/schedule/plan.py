@@ -341,8 +341,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
               KernelArg("ids", "topk_ids", "i32", ["T", K]),
               KernelArg("d_weights", "d_topk_weights", "f32", ["T", K]),
               KernelArg("d_logits", "d_logits", "f32", ["T", spec.experts])],
-        grid=f"(ceil(T/{route_threads}),)", block=route_threads,
-        warp_roles=["all warps: one token per thread"]))
+        grid=f"(ceil(T/{route_threads // 32}),)", block=route_threads,
+        warp_roles=["each warp: one token (lanes hold its logits and write its d_logits)"]))
 
     # send: count, then scatter (positions, row -> token table, tile table)
     dispatch_threads = min(1024, target.max_threads_per_block)
