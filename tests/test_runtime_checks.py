@@ -74,3 +74,21 @@ def test_a_receive_overflow_is_reported_as_the_callers_error():
 
     e = status_error("v", 64, {}, EP_ERROR + OVERFLOW_KIND * 4096 + 1, 10_000)
     assert isinstance(e, InputError) and "rank 1 would have received more" in str(e) and "recv_rows" in str(e)
+
+
+def test_calls_from_router_logits_take_the_one_launch_where_the_fused_launch_serves_them():
+    from mokgen.ir import PRESETS, MoESpec
+    from mokgen.runtime.variant import forward_entry, routes_in_launch
+    from mokgen.schedule import make_plan
+
+    plan = make_plan(PRESETS["olmoe"]).to_dict()
+    bound = plan["fused_max_tokens"]
+    assert [routes_in_launch(plan, t) for t in (0, 1, bound, bound + 1)] == [False, True, True, False]
+    assert forward_entry(plan, bound) == "forward_fused" and forward_entry(plan, bound + 1) == "forward"
+    fused_only = make_plan(PRESETS["olmoe"], overrides={"fuse_gemms": True}).to_dict()
+    assert routes_in_launch(fused_only, 100000)  # its one forward path is the fused launch
+    for no_launch in ({"fuse_gemms": False}, {"dispatch_in_launch": False}):
+        assert not routes_in_launch(make_plan(PRESETS["olmoe"], overrides=no_launch).to_dict(), 1)
+    ep = make_plan(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2,
+                           topology="nvlink")).to_dict()
+    assert not routes_in_launch(ep, 1)  # expert parallel: route, then the layer

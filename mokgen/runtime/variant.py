@@ -76,6 +76,22 @@ def status_error(variant: str, experts: int, gemm_by_slot: dict, code: int, time
     return KernelTimeout(timeout_message(variant, gemm_by_slot, code, timeout_ms))
 
 
+def forward_entry(plan: dict, tokens: int) -> str:
+    """The Plan's forward path for this many tokens: the fused launch up to
+    plan["fused_max_tokens"] where the Plan has both, else the one it has."""
+    if "forward_fused" in plan["steps"] and tokens <= plan.get("fused_max_tokens", 0):
+        return "forward_fused"
+    return "forward"
+
+
+def routes_in_launch(plan: dict, tokens: int) -> bool:
+    """Whether a call from router logits runs the one launch that routes too: the Plan has it
+    (the single-GPU fused launch that dispatches) and the fused launch serves this T."""
+    if "forward_routed" not in plan["steps"] or tokens == 0:
+        return False
+    return "forward_fused" not in plan["steps"] or forward_entry(plan, tokens) == "forward_fused"
+
+
 class Variant:
     def __init__(self, path: "Path"):
         self.path = Path(path)
@@ -254,11 +270,7 @@ class Variant:
         return self._own_streams[device]
 
     def forward_entry(self, tokens: int) -> str:
-        """The Plan's forward path for this many tokens: the fused launch up to
-        plan["fused_max_tokens"] where the Plan has both, else the one it has."""
-        if "forward_fused" in self.plan["steps"] and tokens <= self.plan.get("fused_max_tokens", 0):
-            return "forward_fused"
-        return "forward"
+        return forward_entry(self.plan, tokens)
 
     # ---- entry points (no checks here: the public functions check) ---------------
     def forward(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
@@ -382,8 +394,7 @@ class Variant:
         GEMMs, combine) where the Plan has it and T is one the fused launch serves, else the
         route kernel, then forward. Either way the same bits."""
         tokens = x.shape[0]
-        if "forward_routed" not in self.plan["steps"] or tokens == 0 \
-                or self.forward_entry(tokens) != "forward_fused" and "forward_fused" in self.plan["steps"]:
+        if not routes_in_launch(self.plan, tokens):
             ids, weights = self.route(logits)
             return self.forward(x, ids, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down), ids, weights
         K = self.spec.topk
