@@ -37,6 +37,9 @@ def format_plan(plan: dict) -> str:
     if "forward_fused" in plan["steps"]:
         out.append(f"          calls with T <= {plan['fused_max_tokens']}: "
                    + " -> ".join(plan["steps"]["forward_fused"]))
+    if "forward_routed" in plan["steps"]:
+        when = f" with T <= {plan['fused_max_tokens']}" if "forward_fused" in plan["steps"] else ""
+        out.append(f"          from router logits (mokgen.moe_routed){when}: " + " -> ".join(plan["steps"]["forward_routed"]))
     for entry, what in (("forward_train", "training forward (autograd)"), ("backward", "backward"),
                         ("backward_recompute", "backward, recompute=True")):
         if entry in plan["steps"]:

@@ -25,6 +25,7 @@ def test_show_preset_without_building():
     assert r.exit_code == 0 and "shared_gateup" in r.output
     # Both forward paths, and which tasks of the planned single launch are generated.
     assert "calls with T <= 2048: gemm_fused" in r.output
+    assert "from router logits (mokgen.moe_routed) with T <= 2048: gemm_fused_routed" in r.output
     assert "gemm_fused runs the count, scatter, gate/up, shared gate/up, down, shared down and combine tasks" \
         in r.output and "gemm_fused_routed (mokgen.moe_routed) the route tasks first" in r.output
 
