@@ -284,19 +284,26 @@ class Variant:
             raise InputError(f"{self.name} is expert parallel: call it through mokgen.moe(..., group=...)")
         if tokens == 0 and not self.expert_parallel:  # (a rank without tokens still serves its peers)
             return out
+        env = self._run_forward(self.forward_entry(tokens), x, dict(topk_ids=topk_ids, topk_weights=topk_weights),
+                                w_gate, w_up, w_down, ws_gate, ws_up, ws_down, out, peers)
+        if self.profiling:
+            self.last_records = {n[len("prof_"):]: env[n] for n in env if n.startswith("prof_")}
+        return out
+
+    def _run_forward(self, entry, x, routing: dict, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, out, peers=None):
+        """Launch a forward entry point over its workspace (allocated at T = x.shape[0]) and
+        record the call's error code; returns the workspace. routing: topk_ids and
+        topk_weights (inputs, or the outputs of a launch that routes) and any logits."""
+        tokens = x.shape[0]
         self._check_status(wait=False)  # an error of an earlier, finished call surfaces here
         with torch.cuda.device(x.device):
-            entry = self.forward_entry(tokens)
             env = self._workspace(tokens, x.device, entry, peers)
-            env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up,
-                       w_down=w_down, out=out)
+            env.update(routing, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, out=out)
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
             self.run(entry, env, x.device, skip=self._token_grids if tokens == 0 else ())
             self._record_status(env)
-            if self.profiling:
-                self.last_records = {n[len("prof_"):]: env[n] for n in env if n.startswith("prof_")}
-        return out
+        return env
 
     @property
     def has_backward(self) -> bool:
@@ -401,15 +408,8 @@ class Variant:
         out = torch.empty_like(x)
         ids = torch.empty(tokens, K, dtype=torch.int32, device=x.device)
         weights = torch.empty(tokens, K, dtype=torch.float32, device=x.device)
-        self._check_status(wait=False)
-        with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device, "forward_routed")
-            env.update(x=x, logits=logits, topk_ids=ids, topk_weights=weights, w_gate=w_gate, w_up=w_up,
-                       w_down=w_down, out=out)
-            if ws_gate is not None:
-                env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
-            self.run("forward_routed", env, x.device)
-            self._record_status(env)
+        self._run_forward("forward_routed", x, dict(logits=logits, topk_ids=ids, topk_weights=weights),
+                          w_gate, w_up, w_down, ws_gate, ws_up, ws_down, out)
         return out, ids, weights
 
     def route(self, logits):
