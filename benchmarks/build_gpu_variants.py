@@ -39,6 +39,9 @@ build(ep_specs[0], default_out() / "experiments" / "ep_multi", overrides={"fuse_
 for lag in (0, 12):
     build(ep_specs[0], default_out() / "experiments" / f"ep_lag{lag}", overrides={"gemm_fused.wave_lag": lag},
           force=force, log=lambda m: None)
+# The single launch after the dispatch, publish and layout kernels (ep_bench --variants).
+build(ep_specs[0], default_out() / "experiments" / "ep_apart", overrides={"dispatch_in_launch": False}, force=force,
+      log=lambda m: None)
 # The single launch that also waits for the returned rows and combines them.
 build(ep_specs[0], default_out() / "experiments" / "ep_fused_combine", overrides={"ep_fused_combine": True},
       force=force, log=lambda m: None)

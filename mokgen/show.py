@@ -83,13 +83,19 @@ def format_task_graph(plan: dict, tokens=(64, 256, 1024, 4096, 16384)) -> str:
         status = "planned; this build runs one launch per stage"
     else:
         p = fused["params"]
-        tasks = ("count, scatter, " if p.get("dispatch") else "") + "gate/up, " + \
+        tasks = ("count, publish, scatter, layout, send, " if p.get("ep_layout") else "send, " if p.get("send_in_gemm")
+                 else "count, scatter, " if p.get("dispatch") else "") + "gate/up, " + \
             ("shared gate/up, " if p.get("s_size") else "") + "down" + (", shared down" if p.get("s_size") else "") + \
             (" and combine" if p.get("combine") else "")
         when = f"calls with T <= {plan['fused_max_tokens']}" if plan.get("fused_max_tokens") else "every call"
         if any(k["name"] == "gemm_fused_routed" for k in plan["kernels"]):
             status = (f"generated: for {when}, gemm_fused runs the {tasks} tasks in one launch, and "
                       "gemm_fused_routed (mokgen.moe_routed) the route tasks first")
+        elif p.get("ep_return"):
+            tasks += " (each down tile returning its rows)"
+            after = "" if p.get("combine") else "; the wait for the returned rows and the combine follow it"
+            apart = "" if p.get("ep_layout") else "; count, scatter, publish and layout run before it"
+            status = f"generated: for {when}, gemm_fused runs the {tasks} tasks in one launch{apart}{after}"
         else:
             apart = "route is" if p.get("dispatch") else "route, count and scatter are"
             status = (f"generated in part: for {when}, gemm_fused runs the {tasks} tasks in one launch; "
@@ -108,7 +114,8 @@ def format_task_graph(plan: dict, tokens=(64, 256, 1024, 4096, 16384)) -> str:
         fused = simulate(spec, params, target, T)["makespan_us"]
         multi = simulate(spec, params, target, T, fused=False)["makespan_us"]
         pred.append([T, f"{multi:.0f}", f"{fused:.0f}", f"{multi / fused:.2f}x"])
-    out += ["  predicted forward time, uniform routing (cost model from measured rates):"]
+    out += ["  predicted forward time, uniform routing (cost model from measured rates" +
+            ("; one rank's local work, the exchange not priced" if spec.world_size > 1 else "") + "):"]
     out += ["  " + line for line in _table(pred, ["T", "multi-kernel us", "fused us", "gain"])]
     return "\n".join(out)
 

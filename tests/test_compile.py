@@ -233,31 +233,39 @@ def test_gate_up_launch_that_sends_its_rows_compiles(tmp_path):
 
 
 def test_expert_parallel_single_launch_compiles(tmp_path):
-    """The expert-parallel single launch (send, gate/up, down and return in one kernel) and the
-    layout that prepares it: HGMMA and TMA without spills; peer stores fenced and announced at
-    system scope; the rows' ready flags acquired at system scope."""
+    """The expert-parallel single launch (dispatch, publish, layout, send, gate/up, down and
+    return in one kernel), the one that also combines, and the one after the dispatch, publish
+    and layout kernels: HGMMA and TMA without spills; peer stores fenced and announced at
+    system scope; the counts and the rows' ready flags acquired at system scope, the launch's
+    own counters at GPU scope."""
     import sys
 
     from mokgen.codegen.render import render, write_tree
     from mokgen.schedule import make_plan
 
     spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2, topology="nvlink")
-    # the default, and the one that also combines (override ep_fused_combine)
-    for d, overrides in (("plain", {}), ("", {"ep_fused_combine": True})):
+    # the default, the one that also combines (ep_fused_combine), the one laid out before it
+    for d, overrides in (("", {}), ("c", {"ep_fused_combine": True}), ("a", {"dispatch_in_launch": False})):
         plan = make_plan(spec, overrides=overrides)
         assert "forward_fused" in plan.steps
         write_tree(render(plan), tmp_path / f"v{d}")
         subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / f"v{d}"),
-                        str(tmp_path / f"b{d}"), "gemm_fused", "ep_layout"], check=True, capture_output=True)
-    ptx = (tmp_path / "b" / "gemm_fused.ptx").read_text()
-    assert "fence.acq_rel.sys" in ptx and "st.release.sys" in ptx and "ld.acquire.sys.global" in ptx
-    assert "st.global.v4" in ptx  # rows go out 16 B at a time
+                        str(tmp_path / f"b{d}"), "gemm_fused", *(["ep_layout", "ep_publish"] if d == "a" else [])],
+                       check=True, capture_output=True)
     tool = nvdisasm()
+    releases = {}
+    for d in ("", "c", "a"):
+        ptx = (tmp_path / f"b{d}" / "gemm_fused.ptx").read_text()
+        assert "fence.acq_rel.sys" in ptx and "st.release.sys" in ptx and "ld.acquire.sys.global" in ptx
+        assert "st.global.v4" in ptx and "ld.acquire.gpu" in ptx  # rows go out 16 B at a time
+        releases[d] = ptx.count("atom.global.release.add")
+        if tool is not None:
+            sass = subprocess.run([tool, str(tmp_path / f"b{d}" / "gemm_fused.cubin")], capture_output=True,
+                                  text=True, check=True).stdout
+            assert "HGMMA" in sass and "UTMALDG" in sass and not any(op in sass for op in ("LDL", "STL")), d
+    assert releases[""] > releases["a"] and releases["c"] > releases["a"]  # the phases' launch-wide counters
     if tool is None:
         pytest.skip("nvdisasm not installed")
-    sass = subprocess.run([tool, str(tmp_path / "b" / "gemm_fused.cubin")], capture_output=True, text=True,
-                          check=True).stdout
-    assert "HGMMA" in sass and "UTMALDG" in sass and not any(op in sass for op in ("LDL", "STL"))
 
 
 @pytest.mark.parametrize("world", [4, 8, 72])

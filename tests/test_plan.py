@@ -210,13 +210,34 @@ def test_expert_parallel_plans_for_an_nvl72_domain_and_takes_comm_sms():
         make_plan(EP2, overrides={"fuse_gemms": True})
 
 
-def test_expert_parallel_small_calls_run_one_launch_between_layout_and_combine():
-    """Up to fused_max_tokens tokens per rank the forward is dispatch, publish, layout, one GEMM
-    launch that sends, computes gate/up and down and returns, the wait and the combine; no
-    second stream. The layout zeroes the launch's per-M-tile counts and writes its tile range."""
+def test_expert_parallel_small_calls_run_one_launch_then_wait_and_combine():
+    """Up to fused_max_tokens tokens per rank the forward is one GEMM launch that dispatches,
+    publishes, lays out, sends, computes gate/up and down and returns, then the wait and the
+    combine; no second stream. Override dispatch_in_launch: false keeps dispatch, publish and
+    layout as kernels before it; the layout then zeroes the launch's per-M-tile counts and
+    writes its tile range."""
     p = make_plan(EP2)
-    assert p.steps["forward_fused"] == ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "gemm_fused",
-                                        "ep_wait_returns", "combine"]
+    assert p.steps["forward_fused"] == ["gemm_fused", "ep_wait_returns", "combine"]
+    apart = make_plan(EP2, overrides={"dispatch_in_launch": False})
+    assert apart.steps["forward_fused"] == ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout",
+                                            "gemm_fused", "ep_wait_returns", "combine"]
+    assert "dispatch" not in apart.kernel("gemm_fused").params
+    # in the launch: the dispatch kernels' params (global experts, send order) and the layout
+    # kernel's (the same template code renders both)
+    k = p.kernel("gemm_fused")
+    d, lay = k.params["dispatch"], k.params["ep_layout"]
+    assert d["experts"] == 64 and d["order_world"] == 2 and d["tile_m"] == 1 and not d["fused"]
+    assert d["threads"] == k.params["threads"] and d["sync_counters"] == 5
+    kernel_layout = p.kernel("ep_layout").params
+    assert all(kernel_layout[key] == lay[key] for key in ("experts", "tile_m", "status_slot", "wait_timeout_ns",
+                                                          "ep_error", "ep_overflow", "h_ready", "used_slot"))
+    assert lay["used_slot"] == k.params["used_slot"] and not lay["down_ready"] and not lay["zero_padding"]
+    # the template's argument order: after the return's tables, the routing, the launch's
+    # counters, the count matrix, the receive counts and the flags
+    assert [a.tensor for a in k.args][-7:] == ["ep_state", "topk_ids", "pos", "launch_sync", "ep_counts",
+                                               "recv_counts", "ep_flags"]
+    assert {b.name: b.memory for b in p.buffers}["launch_sync"] == "state"
+    assert any(x.startswith("gemm_fused also dispatches, publishes and lays out") for x in p.decisions)
     assert p.fused_max_tokens > 0 and not set(p.steps["forward_fused"]) & set(p.side_stream)
     k = p.kernel("gemm_fused")
     assert k.params["fused"] and k.params["ep_ready"] and k.params["send_in_gemm"] and k.params["ep_return"]
@@ -392,7 +413,7 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
                                           "w_down", "h", "y", "h_ready", "topk_ids", "topk_weights", "pos", "out",
                                           "counts", "launch_sync"]
     sync = next(b for b in p.buffers if b.name == "launch_sync")
-    assert sync.memory == "state" and sync.shape == ["4"]  # counted, placed, passed, routed
+    assert sync.memory == "state" and sync.shape == ["5"]  # counted, placed, passed, routed, laid out (EP)
     routed = p.kernel("gemm_fused_routed")
     assert p.steps["forward_routed"] == ["gemm_fused_routed"] and routed.params["route"]["experts"] == spec.experts
     assert [a.tensor for a in routed.args] == [a.tensor for a in k.args] + ["logits"]

@@ -325,7 +325,8 @@ SYNC_COUNTED = 0  # experts counted
 SYNC_PLACED = 1  # experts placed
 SYNC_PASSED = 2  # CTAs past every wait: the last one zeroes them all for the next call
 SYNC_ROUTED = 3  # CTAs that routed their tokens (the routing launch)
-SYNC_COUNTERS = 4
+SYNC_LAID = 4  # experts laid out (expert parallel)
+SYNC_COUNTERS = 5
 
 
 @cute.jit

@@ -420,6 +420,53 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
     return kernels, decisions, queues, ctas
 
 
+def layout_params(spec: MoESpec, row_tile: int, status_slot: int, wait_timeout_ns: int, used_slot: int | None,
+                  backward: bool = False, down_ready: bool = False) -> dict:
+    """What templates/ep_layout_phase.py.j2 (publish and layout) renders from: the same in the
+    layout kernel and in the single launch that lays out itself. used_slot: the single
+    launch's used M tiles go there, and layout zeroes its per-M-tile counts (h_ready)."""
+    return dict(experts=spec.experts, tile_m=row_tile, status_slot=status_slot, wait_timeout_ns=wait_timeout_ns,
+                ep_error=EP_ERROR, ep_overflow=EP_ERROR + OVERFLOW_KIND * 4096,
+                zero_padding=["ep_recv", "ep_grad"] if backward else [], down_ready=down_ready,
+                h_ready=used_slot is not None, used_slot=used_slot or 0)
+
+
+def layout_in_launch(fused: KernelPlan, spec: MoESpec, dparams: dict, layout: dict, overrides: dict,
+                     buffers: list) -> str | None:
+    """Make the expert-parallel single launch (make_single_launch) dispatch, publish and lay
+    out too (templates/grouped_gemm_persistent.py.j2, dispatch_in_launch): one launch from the
+    routing to the returned rows. Its CTAs count the global experts, CTA 0 publishes the
+    counts, they place the same experts in the send order, wait for every rank's counts and
+    lay out the same experts (the dispatch, publish and layout kernels' code, so the same
+    positions and bits), each phase ordered by a launch-wide counter (bounded waits). Plan
+    override dispatch_in_launch: false keeps those four kernels before it. Returns the Plan's
+    decision text, or None when it stays apart."""
+    from .plan import LAUNCH_SYNC_COUNTERS
+
+    if not overrides.get("dispatch_in_launch", True):
+        return None
+    K, W = spec.topk, spec.world_size
+    fused.params["dispatch"] = dict(dparams, threads=fused.params["threads"], fused=False, debug_break=False,
+                                    sync_counters=LAUNCH_SYNC_COUNTERS)
+    fused.params["ep_layout"] = dict(layout, h_ready=True, down_ready=False, zero_padding=[])
+    combine = fused.params.get("combine")
+    fused.args += ([] if combine else [KernelArg("ids", "topk_ids", "i32", ["T", K]),
+                                       KernelArg("pos", "pos", "i32", ["T", K])]) \
+        + [KernelArg("launch_sync", "launch_sync", "i32", [LAUNCH_SYNC_COUNTERS]),
+           KernelArg("ep_counts", "ep_counts", "i32", [2, W, spec.experts]),
+           KernelArg("recv_counts", "recv_counts", "i32", [spec.local_experts])] \
+        + ([] if combine else [KernelArg("ep_flags", "ep_flags", "i32", [len(FLAG_KINDS), W])])
+    buffers.append(Buffer("launch_sync", "i32", [str(LAUNCH_SYNC_COUNTERS)], memory="state"))
+    fused.warp_roles = ["all warps first: count, publish (CTA 0), place and lay out every grid-th global expert"] \
+        + fused.warp_roles
+    return ("gemm_fused also dispatches, publishes and lays out: its CTAs count every grid-th global expert, CTA 0 "
+            "stores the counts into every rank and raises the counts flags, the CTAs place the same experts in "
+            "the send order, wait for every rank's counts (acquire, system scope, bounded) and lay out the same "
+            "experts (the dispatch, publish and layout kernels' code: the same positions and bits); launch-wide "
+            "counters order the phases (bounded waits), so a small expert-parallel call is the launch, the wait "
+            "for the returned rows and the combine")
+
+
 # What a send moves (Plan module, rows as (tensor, region), weights, whether it counts each
 # expert's rows for the ready flags, whether it raises the rows flag). The forward's: x rows.
 FORWARD_SEND = ("ep", [["x", "ep_recv"]], False, True, True)
@@ -447,12 +494,10 @@ def exchange_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: i
     W, E, El, K, H = spec.world_size, spec.experts, spec.local_experts, spec.topk, spec.hidden
     wait_threads = 32 * -(-W // 32)
     module, send_rows, send_weights, count_ready, signal_rows = BACKWARD_SENDS[send] if backward else FORWARD_SEND
-    params = dict(peer_rows_params(spec), experts=E, topk=K, tile_m=row_tile, threads=threads, comm_ctas=ctas,
-                  return_ctas=return_ctas or target.sms, wait_threads=wait_threads, status_slot=status_slot,
-                  wait_timeout_ns=wait_timeout_ns, ep_error=EP_ERROR, bwd=backward,
-                  ep_overflow=EP_ERROR + OVERFLOW_KIND * 4096,
-                  zero_padding=["ep_recv", "ep_grad"] if backward else [], down_ready=down_ready,
-                  h_ready=used_slot is not None, used_slot=used_slot or 0,
+    params = dict(peer_rows_params(spec),
+                  **layout_params(spec, row_tile, status_slot, wait_timeout_ns, used_slot, backward, down_ready),
+                  topk=K, threads=threads, comm_ctas=ctas, return_ctas=return_ctas or target.sms,
+                  wait_threads=wait_threads, bwd=backward,
                   send_rows=send_rows, send_weights=send_weights, count_ready=count_ready, signal_rows=signal_rows)
     *_, sent, peers = send_table_args(spec)
     state = KernelArg("state", "ep_state", "i32", [len(STATE)])

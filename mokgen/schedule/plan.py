@@ -280,12 +280,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     paths, why = forward_paths(spec, target, row_tile, overrides, cluster_m)
     decisions.append(why)
     fuse = paths != "multi"  # the Plan has the fused launch (and dispatch feeds it)
-    for key, needs in (("gemm_fused.wave_lag", fuse), ("ep_fused_combine", fuse and ep),
-                       ("dispatch_in_launch", fuse and not ep)):
+    for key, needs in (("gemm_fused.wave_lag", fuse), ("ep_fused_combine", fuse and ep), ("dispatch_in_launch", fuse)):
         if key in (overrides or {}) and not needs:  # an override that would change nothing is an error
             raise PlanError(f"{key}: the layer is not expert parallel" if key.startswith("ep_") and not ep else
-                            f"{key}: the expert-parallel single launch runs after dispatch, publish and layout"
-                            if key == "dispatch_in_launch" and ep else f"{key}: this Plan has no single launch ({why})")
+                            f"{key}: this Plan has no single launch ({why})")
     # The fused launch combines too, except in a profiling build (which times the combine
     # as its own kernel; expert parallel: the combine reads the returned rows after the wait).
     fused_combine = fuse and not ep and not (overrides or {}).get("profile")
@@ -309,6 +307,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     shared_slot = slots.index("shared_done") if "shared_done" in slots else 0
     done_slot = slots.index("down_done") if fused_combine else None
     status_slot = slots.index("status")
+    wait_timeout_ns = int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000
     n_counters = len(slots)
     recv = "persistent" if ep else "call"  # expert parallel: sized by the workspace capacity
     buffers = [
@@ -431,7 +430,6 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         gather_lag = (overrides or {}).get(f"{name}.gather_lag", 1)
         if not 1 <= gather_lag <= tl["stages"] - 2 and not (overrides or {}).get("debug_unchecked"):
             raise PlanError(f"{name}: gather lag {gather_lag} must be in [1, stages - 2] (deadlock otherwise)")
-        wait_timeout_ns = int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000
         # Which rows of an M tile hold tokens. A consumer warpgroup whose whole slice is
         # padding skips its wgmma (the tensor cores then serve the other one alone): the
         # routed GEMMs read it from row_token (-1 marks padding), the shared expert's
@@ -484,6 +482,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     if gemm_returns:
         n_ret, why_ret = expert_parallel.return_in_gemm(down, spec, target, overrides or {}, slots.index("ep_return"))
     steps = {}
+    laid_out = None  # (expert parallel: whether the single launch dispatches and lays out itself)
     if paths != "fused":
         kernels += [gateup, down]
         steps["forward"] = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"] + \
@@ -492,6 +491,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         fused = fused_gemm(waiting_gateup, H, I, E, used_slot, target, 0, 0, gemm_names.index("gemm_fused"), None, K,
                            bool((overrides or {}).get("debug_break_dependency")))
         decisions.append(expert_parallel.make_single_launch(fused, spec, target, send_ctas, overrides or {}))
+        layout = expert_parallel.layout_params(spec, row_tile, status_slot, wait_timeout_ns, used_slot)
+        laid_out = expert_parallel.layout_in_launch(fused, spec, dparams, layout, overrides or {}, buffers)
+        if laid_out:
+            decisions.append(laid_out)
         kernels.append(fused)
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)], memory="persistent"))
     elif fuse:
@@ -563,8 +566,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     sm_roles, queues, side_stream = {"compute": target.sms, "communication": 0}, [], []
     if ep:
         ep_ks, ep_why, queues, ctas = expert_parallel.ep_kernels(
-            spec, target, row_tile, n_counters, status_slot,
-            int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000, overrides or {},
+            spec, target, row_tile, n_counters, status_slot, wait_timeout_ns, overrides or {},
             used_slot if fuse else None)
         kernels += ep_ks
         decisions += ep_why
@@ -576,8 +578,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         sends = expert_parallel.gemm_sends(overrides or {})  # the gate/up launch sends the rows itself
         head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout"] + ([] if sends else ["ep_send"]) \
             + shared_steps
-        if fuse:  # small calls: the single launch sends, computes and returns
-            steps["forward_fused"] = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout", "gemm_fused"] \
+        if fuse:  # small calls: the single launch (dispatches, lays out,) sends, computes and returns
+            steps["forward_fused"] = ([] if laid_out else ["dispatch_count", "dispatch_scatter", "ep_publish",
+                                                           "ep_layout"]) + ["gemm_fused"] \
                 + ([] if expert_parallel.fused_combines(overrides or {}) else ["ep_wait_returns", "combine"])
         if expert_parallel.overlapped(overrides or {}):  # the send beside gate/up, which waits per M tile
             steps["forward"] = head + ["gemm_gateup", "gemm_down"] + ([] if gemm_returns else ["ep_return"]) \
@@ -601,8 +604,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if ep:  # the backward's exchange, its copies beside GEMMs unless ep_overlap is false
             split = expert_parallel.backward_comm_ctas(spec, target, overrides or {}) \
                 if expert_parallel.overlapped(overrides or {}) else None
-            common = (spec, target, row_tile, n_counters, status_slot,
-                      int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000)
+            common = (spec, target, row_tile, n_counters, status_slot, wait_timeout_ns)
             threads = expert_parallel.comm_threads(overrides or {}, backward=True)
             sends = {what: expert_parallel.exchange_kernels(*common, split[f"send_{what}"][0] if split else target.sms,
                                                              backward=True, threads=threads, send=what)
@@ -796,7 +798,7 @@ def dispatch_in_launch(fused: KernelPlan, dparams: dict, overrides: dict, buffer
     """The single-GPU fused launch dispatches too (override dispatch_in_launch: false keeps
     the two dispatch kernels before it). It needs the launch to combine (it writes the
     positions the combine reads) and takes the dispatch's Plan params, its counts and a
-    launch_sync buffer (three counters, zeroed once by the runtime and left zeroed by every
+    launch_sync buffer (its counters, zeroed once by the runtime and left zeroed by every
     launch)."""
     if not overrides.get("dispatch_in_launch", True) or not fused.params.get("combine"):
         if overrides.get("debug_break_dispatch"):
@@ -824,8 +826,8 @@ def routed_launch(fused: KernelPlan, spec: MoESpec) -> KernelPlan:
 
 
 # dispatch inside the fused launch: experts counted, experts placed, CTAs past every wait,
-# CTAs that routed (the routing launch)
-LAUNCH_SYNC_COUNTERS = 4
+# CTAs that routed (the routing launch), experts laid out (expert parallel)
+LAUNCH_SYNC_COUNTERS = 5
 
 
 def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -> None:

@@ -154,6 +154,8 @@ def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
         combine_wait += f" and ys_ready[block] == {nsd}"
     kinds.append(TaskKind("combine", "reduce", f"{COMBINE_TOKENS} tokens", _e(sympy.ceiling(T / COMBINE_TOKENS)),
                           combine_wait + " (per 128-token block)" if S else combine_wait, "-", 7))
+    if spec.world_size > 1:
+        return _expert_parallel_graph(spec, kinds, counters, plan_params, target)
     return TaskGraph(
         kinds=kinds,
         counters=counters,
@@ -164,6 +166,55 @@ def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
               "before it counts, the dispatch counters left zeroed by the launch before"),
         notes=["route tasks run only on the routing entry point (mokgen.moe_routed: gemm_fused_routed); "
                "with precomputed routing, count starts at once"],
+    )
+
+
+def _expert_parallel_graph(spec, kinds: list, counters: list, plan_params: dict, target: Target) -> TaskGraph:
+    """The expert-parallel forward's tasks on each of the W ranks: dispatch runs over the E
+    global experts in the send order, the counts go to every rank (publish), each rank lays
+    out its received rows once every rank's counts are in (layout), the rows go to their
+    experts' ranks (send) and come back after the down tiles (return); flags at system scope
+    carry the call's epoch between ranks, counters at GPU scope order the tasks of one launch."""
+    W, E = spec.world_size, spec.experts
+    fused = plan_params.get("gemm_fused", {})
+    send_ctas = fused.get("send_ctas", "comm")
+    by = {k.name: k for k in kinds}
+    by["count"].count = by["scatter"].count = str(E)
+    by["scatter"].granularity = by["count"].granularity = "one global expert (send order: local expert first)"
+    by["scatter"].waits_on = f"counted == {E}"
+    by["gateup"].waits_on = f"ready[expert, r] == epoch for all {W} ranks r (system scope)"
+    by["down"].signals = "its rows' columns stored to their ranks (return)"
+    ep_kinds = [
+        TaskKind("publish", "send_peers", "this rank's counts", "1", f"counted == {E}",
+                 f"ep_counts and counts flag on all {W} ranks (epoch)", 1, role="communication"),
+        TaskKind("layout", "send_peers", "one global expert", str(E),
+                 f"placed == {E} and every rank's counts flag == epoch", "laid += 1", 2),
+        TaskKind("send", "send_peers", "32 rows of the send order per warp", f"{send_ctas} CTAs",
+                 f"laid == {E}", "ready[e, rank] on e's rank once all its rows are stored; rows flag", 3,
+                 role="communication"),
+    ]
+    by["count"].waits_on = "-"  # (routing runs before the launch: mokgen.route)
+    order = ["count", "publish", "scatter", "layout", "send", "gateup", "down", "combine"]
+    kinds = sorted([k for k in kinds if k.name in order] + ep_kinds, key=lambda k: order.index(k.name))
+    for i, k in enumerate(kinds):
+        k.priority = i
+    by_name = {k.name: k for k in kinds}
+    by_name["combine"].waits_on = "every rank's returns flag == epoch (the combine kernel, after the launch)"
+    counters = [c for c in counters if c.name not in ("routed", "y_done")] + [
+        Counter("laid", "1", "global experts laid out"),
+        Counter("ready", f"{spec.local_experts} x {W}", "per local expert and source rank: its rows are here "
+                "(flag, system scope)"),
+        Counter("flags", f"3 x {W}", "counts, rows, returns per rank (flags, system scope, the call's epoch)"),
+    ]
+    return TaskGraph(
+        kinds=kinds,
+        counters=counters,
+        sm_roles={"compute": target.sms, "communication": f"the first {send_ctas} CTAs send first"},
+        rule=("one launch per call up to the fused path's bound: every CTA takes part in count, scatter and "
+              "layout (every grid-th global expert; CTA 0 publishes), the first CTAs then send, every CTA takes "
+              "GEMM tiles in wavefront order, each down tile returns its rows' columns; every wait is bounded "
+              "(timeout -> error code, never a hang); the wait for the returned rows and the combine follow"),
+        notes=["routing runs before the launch under expert parallelism (mokgen.route)"],
     )
 
 
