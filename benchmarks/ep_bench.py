@@ -52,6 +52,21 @@ def timed(fn, warm=5, iters=20):
     return t.item()
 
 
+def start_ranks(E, H, I):
+    """Under torchrun: (rank, world, group, generator, this rank's E/world experts' bf16
+    w_gate, w_up, w_down), the NCCL group made and the device set."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    g = torch.Generator(device="cuda")
+    g.manual_seed(1234 + rank)
+    El = E // world
+    weights = ((torch.randn(El, I, H, device="cuda", generator=g) / math.sqrt(H)).bfloat16(),
+               (torch.randn(El, I, H, device="cuda", generator=g) / math.sqrt(H)).bfloat16(),
+               (torch.randn(El, H, I, device="cuda", generator=g) / math.sqrt(I)).bfloat16())
+    return rank, world, dist.group.WORLD, g, weights
+
+
 def kernel_times(variant, call, names, iters=10):
     """Median ms of the named kernels inside calls (events around each launch)."""
     names = [n for n in names if n in variant.launchers]  # (the overlapped Plan has no ep_wait_rows)
@@ -182,18 +197,10 @@ def main():
     ap.add_argument("--variants", default="", help="comma-separated variant directories (builds of the same layer "
                                                     "with other Plan decisions) to time beside it")
     a = ap.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    group = dist.group.WORLD
     E, K, H, I = (int(v) for v in a.shape.split(","))
+    rank, world, group, g, (wg, wu, wd) = start_ranks(E, H, I)
     El = E // world
     tokens = [int(t) for t in a.tokens.split(",")]
-    g = torch.Generator(device="cuda")
-    g.manual_seed(1234 + rank)
-    wg = (torch.randn(El, I, H, device="cuda", generator=g) / math.sqrt(H)).bfloat16()
-    wu = (torch.randn(El, I, H, device="cuda", generator=g) / math.sqrt(H)).bfloat16()
-    wd = (torch.randn(El, H, I, device="cuda", generator=g) / math.sqrt(I)).bfloat16()
     w13 = torch.cat([wg, wu], 1)
     v = find_variant(E, K, H, I, 0, world_size=world)
     single = find_variant(E, K, H, I, 0)

@@ -47,6 +47,8 @@ def spec_options(fn):
         click.option("--dtype", type=click.Choice(DTYPES), help="Data type."),
         click.option("--world-size", type=int, help="GPUs in the expert-parallel group."),
         click.option("--topology", type=click.Choice(TOPOLOGIES), help="How the GPUs are linked."),
+        click.option("--nodes", type=int, help="Nodes the GPUs are in (> 1: tokens cross between nodes through "
+                                                "NCCL, inside a node through the topology)."),
         click.option("--arch", type=click.Choice(ARCHS), help="Target architecture."),
         click.option("--renormalize/--no-renormalize", default=None, help="Renormalise the router's top-k weights."),
     ]
@@ -146,10 +148,10 @@ def _resolve_variant(name: str) -> Path:
     from .codegen import default_out
 
     p = Path(name)
-    if (p / "manifest.json").exists():
+    if (p / "manifest.json").exists() or (p / "hierarchy.json").exists():
         return p
     p = default_out() / name
-    if (p / "manifest.json").exists():
+    if (p / "manifest.json").exists() or (p / "hierarchy.json").exists():
         return p
     if name in PRESETS:
         return default_out() / PRESETS[name].variant
@@ -167,6 +169,18 @@ def show(variant, as_json, png, png_tokens):
     from .schedule import make_plan
 
     path = _resolve_variant(variant)
+    if (path / "hierarchy.json").exists():  # a layer over several nodes: its levels, then its node-local layer
+        from .schedule.multinode import describe
+
+        levels = json.loads((path / "hierarchy.json").read_text())
+        if as_json:
+            click.echo(json.dumps(levels, indent=1, sort_keys=True))
+            return
+        click.echo(describe(levels["hierarchy"]))
+        click.echo(f"\nnode-local layer ({levels['node_local']}):")
+        path = path.parent / levels["node_local"]
+        if not (path / "manifest.json").exists():
+            fail(f"the node-local layer {levels['node_local']} is not built: run `mokgen build` again", code=1)
     if (path / "manifest.json").exists():
         plan = json.loads((path / "manifest.json").read_text())["plan"]
     else:

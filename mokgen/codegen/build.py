@@ -146,6 +146,25 @@ def resolve_plan(spec: MoESpec, out: Path, overrides: dict | None = None) -> Pla
     return make_plan(spec, overrides=overrides)
 
 
+def build_multinode(spec: MoESpec, out: Path, *, jobs=None, force=False, compile=True, log=None,
+                    overrides=None) -> Path:
+    """A layer over several nodes: build its node-local layer (the kernels every node runs) and
+    write the levels beside it, <out>/<variant>/hierarchy.json (mokgen show prints it; the
+    runtime plans the same levels from the spec). Returns the multinode directory."""
+    from ..schedule.multinode import hierarchy, node_local_spec
+
+    local = build(node_local_spec(spec), out, jobs=jobs, force=force, compile=compile, log=log, overrides=overrides)
+    final = out / spec.variant
+    final.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(dict(spec=spec.to_dict(), hierarchy=hierarchy(spec), node_local=str(local.name)), indent=1,
+                      sort_keys=True)
+    tmp = final / f".hierarchy-{os.getpid()}.json"
+    tmp.write_text(text)
+    os.replace(tmp, final / "hierarchy.json")  # (one rename: never half written)
+    log(f"{spec.variant}: {spec.nodes} nodes x {spec.gpus_per_node} GPU(s); node-local layer {local.name}")
+    return final
+
+
 def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, force: bool = False,
           compile: bool = True, log=None, overrides: dict | None = None) -> Path:
     """Build (or reuse) the variant for `spec`; returns its directory. `overrides`
@@ -153,6 +172,8 @@ def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, fo
     any) and is recorded in the manifest."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out) if out else default_out()
+    if spec.nodes > 1:
+        return build_multinode(spec, out, jobs=jobs, force=force, compile=compile, log=log, overrides=overrides)
     plan: Plan = resolve_plan(spec, out, overrides)
     files = render(plan)
     final = out / plan.variant

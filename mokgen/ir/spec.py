@@ -36,6 +36,10 @@ class MoESpec:
     topology: str = "single"
     arch: str = "sm_90a"
     renormalize: bool = False  # router: renormalise the top-k weights to sum to 1
+    # Nodes the world_size GPUs are in (node-major ranks: rank = node * gpus_per_node + local
+    # index). Inside a node the GPUs are linked by `topology`; between nodes the tokens go
+    # through a distributed engine (NCCL through torch.distributed), mokgen/schedule/multinode.py.
+    nodes: int = 1
 
     def __post_init__(self):
         validate(self)
@@ -46,6 +50,15 @@ class MoESpec:
         return self.experts // self.world_size
 
     @property
+    def gpus_per_node(self) -> int:
+        return self.world_size // self.nodes
+
+    @property
+    def node_experts(self) -> int:
+        """Experts per node (a token's rows cross the network once per node they go to)."""
+        return self.experts // self.nodes
+
+    @property
     def variant(self) -> str:
         """A readable name that identifies the generated code for this spec."""
         parts = [f"e{self.experts}", f"k{self.topk}", f"h{self.hidden}", f"i{self.intermediate}"]
@@ -54,13 +67,18 @@ class MoESpec:
         parts.append(self.dtype)
         if self.world_size > 1:
             parts.append(f"w{self.world_size}{self.topology}")
+        if self.nodes > 1:
+            parts.append(f"n{self.nodes}")
         if self.renormalize:
             parts.append("rn")
         parts.append(self.arch.replace("_", ""))
         return "_".join(parts)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["nodes"] == 1:  # (one node: the spec reads, and its variants stay, as before nodes existed)
+            del d["nodes"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoESpec":
@@ -114,6 +132,12 @@ def validate(s: MoESpec) -> None:
         raise SpecError(
             f"experts={s.experts} is not divisible by world_size={s.world_size}: each GPU must own the same number of experts"
         )
+    _int("nodes", s.nodes, 1, 1024)
+    if s.world_size % s.nodes:
+        raise SpecError(f"world_size={s.world_size} is not divisible by nodes={s.nodes}: every node must hold the "
+                        "same number of GPUs")
+    if s.nodes > 1 and s.shared_intermediate:
+        raise SpecError("a shared expert is not generated across nodes yet (nodes > 1 needs shared_intermediate=0)")
     if not isinstance(s.renormalize, bool):
         raise SpecError(f"renormalize must be true or false, got {s.renormalize!r}")
 

@@ -107,7 +107,7 @@ _BY_SHAPE: dict[tuple, Variant] = {}
 
 def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
         check_ids: bool = True, recompute: bool = False, group=None, max_tokens: int | None = None,
-        recv_rows: int | None = None):
+        recv_rows: int | None = None, nodes: int | None = None):
     """out[t] = bf16(sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) + shared(x)[t]).
 
     Checks every input before any launch. check_ids also checks the values (ids in range, x
@@ -134,10 +134,22 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     (2 x rows x I bf16, rows bounded by recv_rows), or with recompute=True the inputs only; the
     backward exchanges again and is collective as well (every rank runs the backward of every
     layer it ran, so the layer's output must reach every rank's loss).
+
+    Across nodes: nodes=N (> 1) says the group's ranks are in N nodes, node-major. Tokens go to
+    other nodes through NCCL (torch.distributed), each token once per destination node, and
+    the node-local generated layer runs the pairs (mokgen/schedule/multinode.py). One GPU per
+    node runs (N = group size); forward only (under torch.no_grad()); no shared expert.
     """
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
     E, K, H, I, S = check_moe_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    if nodes is not None and nodes != 1:
+        if group is None:
+            raise InputError(f"nodes={nodes!r} needs group= (the process group of every node's ranks)")
+        from .multinode import moe_multinode
+
+        return moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, (E, K, H, I, S), group, nodes,
+                             check_ids)
     if group is not None:
         return _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                                     (E, K, H, I, S), check_ids, group, max_tokens, recompute, recv_rows)

@@ -235,6 +235,12 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     """The Plan for `spec` on `target`. `overrides` (experiments, autotuning) replaces
     decisions by name; the Plan records that it did, and where they came from."""
     target = target or target_for(spec.arch)
+    if spec.nodes > 1:
+        from .multinode import node_local_spec
+
+        raise PlanError(f"{spec.variant} spans {spec.nodes} nodes: its kernels are the node-local layer's "
+                        f"({node_local_spec(spec).variant}); `mokgen build` builds that and writes the levels "
+                        "(mokgen/schedule/multinode.py)")
     check_overrides(overrides or {})
     ep = spec.world_size > 1
     if ep:

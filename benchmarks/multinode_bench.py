@@ -1,0 +1,117 @@
+"""The layer over 2 nodes x 1 GPU against 1 node x 2 GPUs on the same work, one run.
+
+    torchrun --nproc-per-node=2 benchmarks/multinode_bench.py [--tokens 1024,4096,8192] [--json out.json]
+
+Two GPUs of one host as 2 nodes (tokens cross through NCCL, as between nodes) and as one node
+(the NVLink expert-parallel megakernel), E64 K8 H2048 I1024, uniform routing, T tokens per
+rank; also the torch expert-parallel baseline. Times (CUDA events, warm-up, median, the
+slowest rank's) each layer, and the engine's all_to_all of the same row bytes alone: the rate
+the performance model (docs/multinode.md) is checked with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+import mokgen
+from mokgen.ir import MoESpec
+from mokgen.module import torch_expert_parallel
+from mokgen.schedule import H200
+from mokgen.schedule.multinode import link_model, remote_nodes_per_token
+
+from ep_bench import start_ranks, timed  # (this directory; timed: the slowest rank's median of CUDA events)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1024,4096,8192")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--host-profile", action="store_true", help="also print where an eager call spends its time")
+    a = ap.parse_args()
+    E, K, H, I = 64, 8, 2048, 1024
+    rank, world, group, g, (wg, wu, wd) = start_ranks(E, H, I)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    w13 = torch.cat([wg, wu], 1)
+    spec = MoESpec(experts=E, topk=K, hidden=H, intermediate=I, world_size=world, topology="nvlink", nodes=world)
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        w, ids = torch.topk(torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1), K, -1)
+        ids, w = ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
+        with torch.no_grad():
+            nodes = timed(lambda: mokgen.moe(x, ids, w, wg, wu, wd, group=group, nodes=world, check_ids=False),
+                          warm=3, iters=15)
+            if a.host_profile:
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(5):
+                    mokgen.moe(x, ids, w, wg, wu, wd, group=group, nodes=world, check_ids=False)
+                torch.cuda.synchronize()
+                prof.disable()
+                if rank == 0:
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+                    for _ in range(3):
+                        mokgen.moe(x, ids, w, wg, wu, wd, group=group, nodes=world, check_ids=False)
+                    torch.cuda.synchronize()
+                if rank == 0:
+                    print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+                    print(tp.key_averages().table(sort_by="cpu_time_total", row_limit=12), flush=True)
+            one = timed(lambda: mokgen.moe(x, ids, w, wg, wu, wd, group=group, max_tokens=max(tokens),
+                                           check_ids=False))
+            torch_ms = timed(lambda: torch_expert_parallel(x, ids, w, w13, wd, E, group))
+            diff = (mokgen.moe(x, ids, w, wg, wu, wd, group=group, nodes=world, check_ids=False).float()
+                    - mokgen.moe(x, ids, w, wg, wu, wd, group=group, max_tokens=max(tokens),
+                                 check_ids=False).float()).abs().max().item()
+        # the engine alone: the token rows (deduplicated per node) and their slots out, one
+        # summed row per (token, node) back, as the layer moves them
+        sent = int(((ids.long() // (E // world)) != rank).any(1).sum().item())
+        counts = torch.tensor([0 if r == rank else sent for r in range(world)], device="cuda")
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=group)
+        sc, rc = counts.tolist(), recv.tolist()
+        out_rows = torch.empty(sent, H + 2 * K * 2, dtype=torch.bfloat16, device="cuda")
+        in_rows = torch.empty(sum(rc), H + 2 * K * 2, dtype=torch.bfloat16, device="cuda")
+        back_out, back_in = torch.empty(sum(rc), H, dtype=torch.bfloat16, device="cuda"), \
+            torch.empty(sent, H, dtype=torch.bfloat16, device="cuda")
+
+        def exchange():
+            dist.all_to_all_single(in_rows, out_rows, rc, sc, group=group)
+            dist.all_to_all_single(back_in, back_out, sc, rc, group=group)
+
+        xchg = timed(exchange)
+        bytes_each_way = sent * (H * 2 + 8 * K + H * 2)
+        gbs = bytes_each_way / (xchg * 1e-3) / 1e9
+        model = link_model(spec, H200, T, net_gbs=gbs)
+        fl = 6.0 * T * K * H * I
+        row = dict(tokens_per_rank=T, two_nodes_ms=nodes, one_node_ms=one, torch_ep_ms=torch_ms,
+                   two_nodes_vs_one_node=one / nodes, two_nodes_vs_torch=torch_ms / nodes, max_abs_diff=diff,
+                   engine_exchange_ms=xchg, engine_gbs=gbs, bytes_each_way=bytes_each_way,
+                   remote_nodes_per_token=sent / max(T, 1), model_remote_nodes=remote_nodes_per_token(spec),
+                   model_ms=model["predicted_ms"], model_gemm_ms=model["gemm_ms"],
+                   two_nodes_tflops=fl / nodes / 1e9)
+        rows.append(row)
+        if rank == 0:
+            print(f"T={T}/rank  2 nodes x 1 GPU {nodes:.3f} ms ({row['two_nodes_tflops']:.0f} TF/s/GPU, "
+                  f"{torch_ms / nodes:.2f}x torch EP)  | 1 node x 2 GPUs {one:.3f} ms ({one / nodes:.2f}x of it)  | "
+                  f"torch EP {torch_ms:.3f} ms  | max |diff| 2 nodes vs 1 node {diff:.1e}", flush=True)
+            print(f"   engine: {bytes_each_way / 1e6:.0f} MB each way ({sent / max(T, 1):.3f} rows per token, model "
+                  f"{row['model_remote_nodes']:.3f}) in {xchg:.3f} ms, {gbs:.0f} GB/s  | model at that rate "
+                  f"{model['predicted_ms']:.3f} ms (GEMMs {model['gemm_ms']:.3f} ms at "
+                  f"{H200.grouped_gemm_tflops:.0f} TF/s)", flush=True)
+    if rank == 0 and a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
