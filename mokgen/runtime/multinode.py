@@ -50,18 +50,23 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     T, dev = x.shape[0], x.device
 
     # Level 1: each token once to every other node one of its experts is on; send order:
-    # destination node, then token.
+    # destination node, then token. Everything the host must know (rows and pairs per node,
+    # this rank's own pairs) is read back in one transfer, after one small exchange.
     node_of = topk_ids.long() // En  # [T, K]
     goes = torch.zeros(T, nodes, dtype=torch.bool, device=dev)
     goes.scatter_(1, node_of, True)
     goes[:, node] = False
-    dest, tok = torch.nonzero(goes.t(), as_tuple=True)  # sorted by node, then token
-    send_counts = torch.bincount(dest, minlength=nodes)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    counts = torch.stack([send_counts, recv_counts]).tolist()  # (the one host read: the exchange's split sizes)
-    sc, rc = counts
-    R = sum(rc)
+    own = node_of == node
+    pairs_to = torch.bincount(node_of.flatten(), minlength=nodes)
+    pairs_to[node] = 0
+    send_sizes = torch.stack([goes.sum(0), pairs_to], 1)  # [nodes, (rows, pairs)]
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    sizes = torch.cat([send_sizes.flatten(), recv_sizes.flatten(), own.sum().view(1)]).tolist()  # (the host read)
+    sc, rc = sizes[0:2 * nodes:2], sizes[2 * nodes:4 * nodes:2]
+    arrived_pairs, own_pairs = sum(sizes[2 * nodes + 1:4 * nodes:2]), sizes[-1]
+    S, R = sum(sc), sum(rc)
+    dest, tok = torch.nonzero_static(goes.t(), size=S).unbind(1)  # sorted by node, then token
     # A token's row and, per slot, its id on the destination node (-1: another node) and weight
     # (as int32 bits): one exchange for the rows, one for the slots.
     send_x = x[tok]
@@ -72,7 +77,9 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     recv_slots = torch.empty(R, 2 * K, dtype=torch.int32, device=dev)
     main = torch.cuda.current_stream(dev)
     key = (id(group), dev)
-    side = _STREAMS.setdefault(key, torch.cuda.Stream(dev))
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(dev)
+    side = _STREAMS[key]
     side.wait_stream(main)
     with torch.cuda.stream(side):  # the rows travel while this node computes its own pairs
         dist.all_to_all_single(recv_x, send_x, rc, sc, group=group)
@@ -81,21 +88,21 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
         t.record_stream(side)
 
     # Level 2: this rank's own pairs on its own node, then the pairs that arrived.
-    own_ids = torch.where(node_of == node, topk_ids.long() - node * En, -1)
-    own = _pairs_sum(v, x, own_ids, topk_weights, w_gate, w_up, w_down)
+    own_sum = _pairs_sum(v, x, torch.where(own, topk_ids.long() - node * En, -1), topk_weights, own_pairs,
+                         w_gate, w_up, w_down)
     main.wait_stream(side)
-    arrived = _pairs_sum(v, recv_x, recv_slots[:, :K].long(), recv_slots[:, K:].view(torch.float32),
+    arrived = _pairs_sum(v, recv_x, recv_slots[:, :K].long(), recv_slots[:, K:].view(torch.float32), arrived_pairs,
                          w_gate, w_up, w_down)
 
     # Return: one summed row per (token, node) back to the token's rank; the sum over nodes in
     # node order, in fp32, rounded once.
-    back = torch.empty(len(tok), H, dtype=torch.bfloat16, device=dev)
+    back = torch.empty(S, H, dtype=torch.bfloat16, device=dev)
     dist.all_to_all_single(back, arrived.to(torch.bfloat16), sc, rc, group=group)
     acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
     start = 0
     for m in range(nodes):
         if m == node:
-            acc += own
+            acc += own_sum
         elif sc[m]:
             rows = tok[start:start + sc[m]]  # distinct tokens: a deterministic update
             acc[rows] = acc[rows] + back[start:start + sc[m]].float()
@@ -103,23 +110,17 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     return acc.to(torch.bfloat16)
 
 
-def _pairs_sum(v, rows, slot_ids, slot_w, w_gate, w_up, w_down):
-    """fp32 [R, H]: per row j, sum over its slots k with an id here, in slot order, of
-    slot_w[j, k] * expert_{slot_ids[j, k]}(rows[j]), the experts run as the node-local
-    generated layer over one pair per row."""
+def _pairs_sum(v, rows, slot_ids, slot_w, pairs: int, w_gate, w_up, w_down):
+    """fp32 [R, H]: per row j, the sum over its slots k with an id here (`pairs` of them in
+    all), in slot order, of bf16(slot_w[j, k] * expert_{slot_ids[j, k]}(rows[j])), the experts
+    run as the node-local generated layer over one weighted pair per row."""
     R, K = slot_ids.shape
     H = rows.shape[1]
-    j, k = torch.nonzero(slot_ids >= 0, as_tuple=True)  # (row, slot) order
-    acc = torch.zeros(R, H, dtype=torch.float32, device=rows.device)
-    if j.numel() == 0:
-        return acc
-    pairs = j.numel()
+    if pairs == 0:
+        return torch.zeros(R, H, dtype=torch.float32, device=rows.device)
+    j, k = torch.nonzero_static(slot_ids >= 0, size=pairs).unbind(1)  # (row, slot) order
     ids = slot_ids[j, k].to(torch.int32).view(pairs, 1)
-    ones = torch.ones(pairs, 1, dtype=torch.float32, device=rows.device)
-    y = v.ops.forward(rows[j], ids, ones, w_gate, w_up, w_down, None, None, None)  # bf16 expert outputs
+    y = v.ops.forward(rows[j], ids, slot_w[j, k].contiguous().view(pairs, 1), w_gate, w_up, w_down, None, None, None)
     dense = torch.zeros(R, K, H, dtype=torch.bfloat16, device=rows.device)
     dense[j, k] = y
-    w = torch.where(slot_ids >= 0, slot_w, 0.0)
-    for s in range(K):  # fixed slot order: the same bits every run
-        acc += dense[:, s].float() * w[:, s, None]
-    return acc
+    return dense.sum(1, dtype=torch.float32)  # one fixed-order sum over the slots: the same bits every run

@@ -13,8 +13,9 @@ levels:
     tokens and of the tokens that arrived, through the node-local generated layer (one pair
     per row, top-1, over the node's E/N experts: on one GPU the single-GPU layer, on several
     the NVLink expert-parallel megakernel over the node's GPUs).
-    return: each node sums its pairs of a token (fp32, slot order) into one row per token and
-    node, which goes back over the rail; the token's rank sums the rows of its own node and of
+    return: each node sums its pairs of a token (each weighted by its slot's weight in the
+    node-local layer; fp32, slot order) into one row per token and node, which goes back over
+    the rail; the token's rank sums the rows of its own node and of
     the others in node order (fp32), then rounds once to bf16: deterministic.
 
 What overlaps what: the exchange of the token rows runs on a stream of its own while the
@@ -100,16 +101,17 @@ def hierarchy(spec: MoESpec) -> dict:
         stages=[
             dict(name="route_to_nodes", where="every rank", what="per token, the other nodes its K experts are on "
                  "(deduplicated); send order: destination node, then token", stream="main"),
-            dict(name="exchange_counts", where="rail group", what="rows per destination node (one small "
-                 "all_to_all; the host reads the counts to size the row exchange)", stream="main"),
+            dict(name="exchange_counts", where="rail group", what="rows and pairs per destination node (one small "
+                 "all_to_all; the host reads them, with its own pairs, in one transfer to size the exchange)",
+                 stream="main"),
             dict(name="exchange_rows", where="rail group", what="each token's row and its slots on that node, once "
                  "per destination node", stream="network", overlaps="own_pairs"),
             dict(name="own_pairs", where="this rank's node", what=f"the pairs of this rank's tokens on its own node: "
                  f"{inside}", stream="main", overlaps="exchange_rows"),
             dict(name="arrived_pairs", where="this rank's node", what="the pairs of the tokens that arrived, the same "
                  "layer", stream="main", after="exchange_rows"),
-            dict(name="sum_pairs", where="every rank", what="per token and node, the pairs' rows times their weights "
-                 "summed in fp32 in slot order", stream="main"),
+            dict(name="sum_pairs", where="every rank", what="per token and node, its pairs' rows (the node-local "
+                 "layer applies each slot's weight) summed in fp32 in slot order", stream="main"),
             dict(name="exchange_returns", where="rail group", what="one summed row per (token, node) back to the "
                  "token's rank", stream="main"),
             dict(name="combine", where="every rank", what="out[t] = bf16(sum over nodes in node order of the rows, "
