@@ -51,8 +51,9 @@ for T in [int(t) for t in args.tokens.split(",")]:
         impls["default eager"] = lambda: plain.forward(x, ids, w, wg, wu, wd, *shared)
         impls[f"{args.name} eager"] = lambda: exp.forward(x, ids, w, wg, wu, wd, *shared)
     best = time_rounds(impls, args.rounds, rows, T=T)
+    same = torch.equal(plain.forward(x, ids, w, wg, wu, wd, *shared), exp.forward(x, ids, w, wg, wu, wd, *shared))
     line = f"T={T:6d}  default {best['default']:.3f} ms  {args.name} {best[args.name]:.3f} ms " \
-           f"({best['default'] / best[args.name]:.3f}x)"
+           f"({best['default'] / best[args.name]:.3f}x, same bits: {same})"
     if "torch_grouped_mm" in best:
         line += f"  torch grouped_mm {best['torch_grouped_mm']:.3f} ms ({args.name} " \
                 f"{best['torch_grouped_mm'] / best[args.name]:.2f}x, default " \
