@@ -159,6 +159,10 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     training = _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
     if training and not recompute and v.has_backward:
         return v.ops.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)[0]
+    if not training and not torch.compiler.is_compiling():
+        # Nothing needs the torch op here (no autograd, no graph to trace): the variant itself,
+        # the same computation without the op's dispatch (27 us of host time per call on an H200).
+        return v.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
     return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
 
