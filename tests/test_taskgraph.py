@@ -24,6 +24,26 @@ def test_plan_carries_the_fused_task_graph(spec):
     assert {"counted", "placed", "h_ready", "y_done"} <= counters
 
 
+def test_expert_parallel_task_graph_has_the_exchange_tasks():
+    """The expert-parallel forward's tasks in launch order: count and scatter over the global
+    experts, publish between them, layout after every rank's counts, then send, the GEMM tiles
+    (gate/up waiting for every rank's rows of its expert), and the combine after the returns;
+    the single launch still claims its GEMM tiles gate/up before down."""
+    from mokgen.schedule.taskgraph import fused_tile_order
+
+    plan = make_plan(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, world_size=2, topology="nvlink"))
+    tg = plan.task_graph
+    kinds = {k["name"]: k for k in tg["kinds"]}
+    assert list(kinds) == ["count", "publish", "scatter", "layout", "send", "gateup", "down", "combine"]
+    assert [k["priority"] for k in tg["kinds"]] == list(range(8))
+    assert kinds["count"]["count"] == kinds["layout"]["count"] == "64" and kinds["count"]["waits_on"] == "-"
+    assert "every rank's counts flag" in kinds["layout"]["waits_on"] and "2 ranks" in kinds["gateup"]["waits_on"]
+    assert kinds["publish"]["role"] == kinds["send"]["role"] == "communication"
+    assert kinds["send"]["count"] == f"{plan.kernel('gemm_fused').params['send_ctas']} CTAs"
+    assert {"laid", "ready", "flags", "h_ready"} <= {c["name"] for c in tg["counters"]}
+    assert fused_tile_order(tg) == ["gateup", "down"]
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.variant)
 def test_cost_model_and_simulated_schedule(spec):
     plan = make_plan(spec)
