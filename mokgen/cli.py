@@ -132,14 +132,19 @@ def list_(out):
     from .codegen import default_out, is_built
 
     root = out or default_out()
-    rows = sorted(p.parent for p in root.glob("*/manifest.json"))
+    rows = sorted(p.parent for p in [*root.glob("*/manifest.json"), *root.glob("*/hierarchy.json")])
     if not rows:
         click.echo(f"no variants in {root}")
         return
     for p in rows:
-        m = json.loads((p / "manifest.json").read_text())
-        s = m["spec"]
-        state = "built" if is_built(p) else "source only"
+        if (p / "hierarchy.json").exists():  # a layer over several nodes: its node-local layer is built or not
+            levels = json.loads((p / "hierarchy.json").read_text())
+            s, h = levels["spec"], levels["hierarchy"]
+            state = f"{h['nodes']} nodes x {h['gpus_per_node']} GPU(s), node-local {levels['node_local']} " + (
+                "built" if is_built(p.parent / levels["node_local"]) else "source only")
+        else:
+            s = json.loads((p / "manifest.json").read_text())["spec"]
+            state = "built" if is_built(p) else "source only"
         click.echo(f"{p.name:40s} E={s['experts']:<4d} K={s['topk']:<3d} H={s['hidden']:<6d} "
                    f"I={s['intermediate']:<6d} S={s['shared_intermediate']:<5d} {state}")
 

@@ -74,6 +74,8 @@ def test_build_writes_the_levels_and_show_prints_them(tmp_path):
     assert (tmp_path / "e32_k1_h2048_i1024_bf16_sm90a" / "manifest.json").exists()
     r = subprocess.run(cmd + ["show", str(d)], capture_output=True, text=True)
     assert r.returncode == 0 and "exchange_rows" in r.stdout and "node-local layer" in r.stdout
+    r = subprocess.run(cmd + ["list", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0 and "2 nodes x 1 GPU(s), node-local e32_k1_h2048_i1024_bf16_sm90a source only" in r.stdout
     r = subprocess.run(cmd + ["build", "--world-size", "2", "--topology", "nvlink", "--nodes", "3", "--no-compile"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "not divisible by nodes=3" in r.stderr
