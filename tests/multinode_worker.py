@@ -7,8 +7,9 @@ Two GPUs configured as 2 nodes x 1 GPU: tokens cross between them through NCCL
 Each rank's output is compared with the float64 reference of the global layer (all experts)
 on its tokens: fresh random inputs, uniform and skewed routing (every token to rank 0's
 experts, one hot expert), different token counts per rank (including none), 20 runs with the
-same bits, the same work as 1 node x 2 GPUs (mokgen.moe with the group alone), and bad input
-refused before any exchange. Prints one line per case; exits non-zero on a failure.
+same bits, the same work as 1 node x 2 GPUs (mokgen.moe with the group alone), bad input
+refused before the rows move (bad ids on one rank: every rank raises). Prints one line per
+case; exits non-zero on a failure.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def main():
     case("one rank empty", 0 if rank == world - 1 else 300, "skewed")
     case("20 runs, same bits", min(2048, cap), "skewed", runs=20)
 
-    # bad input: refused before any exchange, the same way on every rank
+    # bad arguments: refused before any exchange, the same way on every rank
     x = torch.randn(8, H, device="cuda", generator=gen).bfloat16()
     ids, w = routing(8, E, K, "uniform", rank, world, gen)
     for what, kw, err in (("nodes not dividing the group", dict(nodes=3), InputError),
@@ -94,6 +95,23 @@ def main():
             failures += 1
         except err as e:
             print(f"rank {rank} {what}: {type(e).__name__} ok ({str(e)[:80]})", flush=True)
+    # an id out of range on one rank only: every rank raises (none is left waiting in the engine),
+    # checked ids or not, and the next call works
+    bad_ids = ids.clone()
+    if rank == 0:
+        bad_ids[3, 1] = E + 5
+    for checked in (True, False):
+        try:
+            with torch.no_grad():
+                mokgen.moe(x, bad_ids, w, *local, group=dist.group.WORLD, nodes=world, check_ids=checked)
+            print(f"rank {rank} bad ids on rank 0 (check_ids={checked}): accepted FAIL", flush=True)
+            failures += 1
+        except InputError as e:
+            ok = "rank(s) [0]" in str(e)
+            failures += not ok
+            print(f"rank {rank} bad ids on rank 0 (check_ids={checked}): InputError {'ok' if ok else 'FAIL'} "
+                  f"({str(e)[:80]})", flush=True)
+    case("after bad ids on one rank", 64, "uniform")
     try:
         mokgen.moe(x, ids, w.requires_grad_(True), *local, group=dist.group.WORLD, nodes=world)
         print(f"rank {rank} under autograd: accepted FAIL", flush=True)

@@ -79,3 +79,16 @@ def test_build_writes_the_levels_and_show_prints_them(tmp_path):
     r = subprocess.run(cmd + ["build", "--world-size", "2", "--topology", "nvlink", "--nodes", "3", "--no-compile"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "not divisible by nodes=3" in r.stderr
+
+
+def test_the_one_host_read_is_parsed_per_node():
+    """read_sizes: this rank's (rows, pairs, bad) per destination node, then every rank's for
+    this one, then this rank's own pairs; a rank that found bad input is named on every rank."""
+    from mokgen.runtime.multinode import read_sizes
+
+    # rank 1 of 3: sends 5 rows (9 pairs) to node 0, none to itself, 7 rows (8 pairs) to node 2;
+    # receives 4 rows (6 pairs) from rank 0 and 2 rows (3 pairs) from rank 2; 11 own pairs
+    sizes = [5, 9, 0, 0, 0, 0, 7, 8, 0] + [4, 6, 0, 0, 0, 0, 2, 3, 0] + [11]
+    assert read_sizes(sizes, 3) == ([5, 0, 7], [4, 0, 2], 9, 11, [])
+    sizes[9 + 2] = sizes[9 + 8] = 1  # ranks 0 and 2 found bad ids
+    assert read_sizes(sizes, 3)[-1] == [0, 2]

@@ -13,7 +13,7 @@ import torch
 from ..ir import MoESpec, SpecError
 from .checks import InputError
 
-# (group, nodes) -> the side stream the row exchange runs on, per device
+# (group, device) -> the side stream the row exchange runs on
 _STREAMS: dict = {}
 
 
@@ -21,7 +21,7 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     """out[t] for this rank's tokens; topk_ids global, the weights this rank's E/W experts."""
     import torch.distributed as dist
 
-    from . import check_ids_in_range, find_variant
+    from . import find_variant
 
     E_local, K, H, I, S = sizes
     W, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -40,8 +40,6 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
             "yet; one GPU per node runs (nodes = group size)")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down)):
         raise NotImplementedError("the layer over several nodes has no backward yet: call it under torch.no_grad()")
-    if check_ids:
-        check_ids_in_range(topk_ids, spec.experts, x)
     from ..schedule.multinode import node_local_spec
 
     local = node_local_spec(spec)
@@ -52,19 +50,27 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     # Level 1: each token once to every other node one of its experts is on; send order:
     # destination node, then token. Everything the host must know (rows and pairs per node,
     # this rank's own pairs) is read back in one transfer, after one small exchange.
-    node_of = topk_ids.long() // En  # [T, K]
+    # Bad input on any rank is found on the device and read with the sizes, so every rank raises
+    # at the same point (one rank raising alone would leave the others waiting in the engine).
+    valid = (topk_ids >= 0) & (topk_ids < spec.experts)
+    bad = (~valid).any()
+    if check_ids:
+        bad = bad | ~torch.isfinite(x).all()
+    node_of = torch.where(valid, topk_ids.long() // En, node)  # [T, K]; in range whatever the ids
     goes = torch.zeros(T, nodes, dtype=torch.bool, device=dev)
     goes.scatter_(1, node_of, True)
     goes[:, node] = False
     own = node_of == node
     pairs_to = torch.bincount(node_of.flatten(), minlength=nodes)
     pairs_to[node] = 0
-    send_sizes = torch.stack([goes.sum(0), pairs_to], 1)  # [nodes, (rows, pairs)]
+    send_sizes = torch.stack([goes.sum(0), pairs_to, bad.long().expand(nodes)], 1)  # [nodes, (rows, pairs, bad)]
     recv_sizes = torch.empty_like(send_sizes)
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    sizes = torch.cat([send_sizes.flatten(), recv_sizes.flatten(), own.sum().view(1)]).tolist()  # (the host read)
-    sc, rc = sizes[0:2 * nodes:2], sizes[2 * nodes:4 * nodes:2]
-    arrived_pairs, own_pairs = sum(sizes[2 * nodes + 1:4 * nodes:2]), sizes[-1]
+    sc, rc, arrived_pairs, own_pairs, bad_ranks = read_sizes(
+        torch.cat([send_sizes.flatten(), recv_sizes.flatten(), own.sum().view(1)]).tolist(), nodes)  # (the host read)
+    if bad_ranks:
+        raise InputError(f"topk_ids outside [0, {spec.experts})" + (" or x with NaN or Inf" if check_ids else "") +
+                         f" on rank(s) {bad_ranks} of the group: nothing was computed (every rank raises this)")
     S, R = sum(sc), sum(rc)
     dest, tok = torch.nonzero_static(goes.t(), size=S).unbind(1)  # sorted by node, then token
     # A token's row and, per slot, its id on the destination node (-1: another node) and weight
@@ -108,6 +114,14 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
             acc[rows] = acc[rows] + back[start:start + sc[m]].float()
         start += sc[m]  # (sc[node] is 0: no row goes to its own node)
     return acc.to(torch.bfloat16)
+
+
+def read_sizes(sizes: list, nodes: int):
+    """The call's one host read, [this rank's (rows, pairs, bad) per destination node, every
+    rank's (rows, pairs, bad) for this one, this rank's own pairs], as (rows sent per node,
+    rows received per node, pairs received, own pairs, ranks that found bad input)."""
+    sent, got = sizes[:3 * nodes], sizes[3 * nodes:6 * nodes]
+    return sent[0::3], got[0::3], sum(got[1::3]), sizes[6 * nodes], [m for m in range(nodes) if got[3 * m + 2]]
 
 
 def _pairs_sum(v, rows, slot_ids, slot_w, pairs: int, w_gate, w_up, w_down):
