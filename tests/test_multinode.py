@@ -38,6 +38,17 @@ def test_node_local_layer_is_top1_over_the_nodes_experts():
         make_plan(spec())
 
 
+@pytest.mark.parametrize("nodes,world,experts", [(2, 4, 64), (4, 32, 256), (64, 512, 512)])
+def test_nodes_of_several_gpus_plan_their_node_local_megakernel(nodes, world, experts):
+    """The node-local layer of a node of G > 1 GPUs is the expert-parallel layer over them (top-1
+    over the node's experts): it plans like any other, single launch included."""
+    s = spec(nodes=nodes, world=world, experts=experts, hidden=7168, intermediate=2048)
+    local = node_local_spec(s)
+    plan = make_plan(local)
+    assert local.world_size == world // nodes > 1 and local.topology == "nvlink" and local.topk == 1
+    assert "forward_fused" in plan.steps and plan.steps["forward_fused"][0] == "gemm_fused"
+
+
 def test_levels_say_what_overlaps_what():
     h = hierarchy(spec())
     stages = {s["name"]: s for s in h["stages"]}
