@@ -441,22 +441,19 @@ def layout_in_launch(fused: KernelPlan, spec: MoESpec, dparams: dict, layout: di
     positions and bits), each phase ordered by a launch-wide counter (bounded waits). Plan
     override dispatch_in_launch: false keeps those four kernels before it. Returns the Plan's
     decision text, or None when it stays apart."""
-    from .plan import LAUNCH_SYNC_COUNTERS
+    from .plan import dispatch_phase
 
     if not overrides.get("dispatch_in_launch", True):
         return None
     K, W = spec.topk, spec.world_size
-    fused.params["dispatch"] = dict(dparams, threads=fused.params["threads"], fused=False, debug_break=False,
-                                    sync_counters=LAUNCH_SYNC_COUNTERS)
+    sync = dispatch_phase(fused, dparams, buffers, fused_tables=False)
     fused.params["ep_layout"] = dict(layout, h_ready=True, down_ready=False, zero_padding=[])
     combine = fused.params.get("combine")
     fused.args += ([] if combine else [KernelArg("ids", "topk_ids", "i32", ["T", K]),
                                        KernelArg("pos", "pos", "i32", ["T", K])]) \
-        + [KernelArg("launch_sync", "launch_sync", "i32", [LAUNCH_SYNC_COUNTERS]),
-           KernelArg("ep_counts", "ep_counts", "i32", [2, W, spec.experts]),
+        + [sync, KernelArg("ep_counts", "ep_counts", "i32", [2, W, spec.experts]),
            KernelArg("recv_counts", "recv_counts", "i32", [spec.local_experts])] \
         + ([] if combine else [KernelArg("ep_flags", "ep_flags", "i32", [len(FLAG_KINDS), W])])
-    buffers.append(Buffer("launch_sync", "i32", [str(LAUNCH_SYNC_COUNTERS)], memory="state"))
     fused.warp_roles = ["all warps first: count, publish (CTA 0), place and lay out every grid-th global expert"] \
         + fused.warp_roles
     return ("gemm_fused also dispatches, publishes and lays out: its CTAs count every grid-th global expert, CTA 0 "

@@ -810,13 +810,23 @@ def dispatch_in_launch(fused: KernelPlan, dparams: dict, overrides: dict, buffer
         if overrides.get("debug_break_dispatch"):
             raise PlanError("debug_break_dispatch: this Plan's single launch does not dispatch")
         return False
-    fused.params["dispatch"] = dict(dparams, threads=fused.params["threads"], fused=True,
-                                    debug_break=bool(overrides.get("debug_break_dispatch")),
-                                    sync_counters=LAUNCH_SYNC_COUNTERS)
-    fused.args += [KernelArg("counts", "counts", "i32", [dparams["experts"]]),
-                   KernelArg("launch_sync", "launch_sync", "i32", [LAUNCH_SYNC_COUNTERS])]
-    buffers.append(Buffer("launch_sync", "i32", [str(LAUNCH_SYNC_COUNTERS)], memory="state"))
+    sync = dispatch_phase(fused, dparams, buffers, fused_tables=True,
+                          debug_break=bool(overrides.get("debug_break_dispatch")))
+    fused.args += [KernelArg("counts", "counts", "i32", [dparams["experts"]]), sync]
     return True
+
+
+def dispatch_phase(fused: KernelPlan, dparams: dict, buffers: list, fused_tables: bool,
+                   debug_break: bool = False) -> KernelArg:
+    """What a single launch that dispatches itself needs, on one GPU and expert parallel: the
+    dispatch's Plan params at the launch's thread count (fused_tables: it also writes the
+    launch's tile range and h_ready, as on one GPU; expert parallel, layout does), and the
+    launch_sync state buffer (its counters, zeroed once by the runtime and left zeroed by every
+    launch). Returns the launch_sync argument, which the caller places in its argument order."""
+    fused.params["dispatch"] = dict(dparams, threads=fused.params["threads"], fused=fused_tables,
+                                    debug_break=debug_break, sync_counters=LAUNCH_SYNC_COUNTERS)
+    buffers.append(Buffer("launch_sync", "i32", [str(LAUNCH_SYNC_COUNTERS)], memory="state"))
+    return KernelArg("launch_sync", "launch_sync", "i32", [LAUNCH_SYNC_COUNTERS])
 
 
 def routed_launch(fused: KernelPlan, spec: MoESpec) -> KernelPlan:
