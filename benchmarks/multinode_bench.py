@@ -19,6 +19,7 @@ import torch.distributed as dist
 import mokgen
 from mokgen.ir import MoESpec
 from mokgen.module import torch_expert_parallel
+from mokgen.runtime.multinode import moe_multinode
 from mokgen.schedule import H200
 from mokgen.schedule.multinode import link_model, remote_nodes_per_token
 
@@ -67,6 +68,9 @@ def main():
                     print(tp.key_averages().table(sort_by="cpu_time_total", row_limit=12), flush=True)
             one = timed(lambda: mokgen.moe(x, ids, w, wg, wu, wd, group=group, max_tokens=max(tokens),
                                            check_ids=False))
+            # the levels over 1 node x 2 GPUs: the node-local megakernel path a node of several GPUs runs
+            levels_one = timed(lambda: moe_multinode(x, ids, w, wg, wu, wd, (E // world, K, H, I, 0), group, 1,
+                                                     False))
             torch_ms = timed(lambda: torch_expert_parallel(x, ids, w, w13, wd, E, group))
             diff = (mokgen.moe(x, ids, w, wg, wu, wd, group=group, nodes=world, check_ids=False).float()
                     - mokgen.moe(x, ids, w, wg, wu, wd, group=group, max_tokens=max(tokens),
@@ -97,7 +101,7 @@ def main():
                    engine_exchange_ms=xchg, engine_gbs=gbs, bytes_each_way=bytes_each_way,
                    remote_nodes_per_token=sent / max(T, 1), model_remote_nodes=remote_nodes_per_token(spec),
                    model_ms=model["predicted_ms"], model_gemm_ms=model["gemm_ms"],
-                   two_nodes_tflops=fl / nodes / 1e9)
+                   two_nodes_tflops=fl / nodes / 1e9, levels_one_node_ms=levels_one)
         rows.append(row)
         if rank == 0:
             print(f"T={T}/rank  2 nodes x 1 GPU {nodes:.3f} ms ({row['two_nodes_tflops']:.0f} TF/s/GPU, "
@@ -107,6 +111,8 @@ def main():
                   f"{row['model_remote_nodes']:.3f}) in {xchg:.3f} ms, {gbs:.0f} GB/s  | model at that rate "
                   f"{model['predicted_ms']:.3f} ms (GEMMs {model['gemm_ms']:.3f} ms at "
                   f"{H200.grouped_gemm_tflops:.0f} TF/s)", flush=True)
+            print(f"   the levels over 1 node x 2 GPUs (node-local megakernel, top-1 pairs): {levels_one:.3f} ms "
+                  f"({one / levels_one:.2f}x of the megakernel on the tokens)", flush=True)
     if rank == 0 and a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

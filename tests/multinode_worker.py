@@ -8,8 +8,10 @@ Each rank's output is compared with the float64 reference of the global layer (a
 on its tokens: fresh random inputs, uniform and skewed routing (every token to rank 0's
 experts, one hot expert), different token counts per rank (including none), 20 runs with the
 same bits, the same work as 1 node x 2 GPUs (mokgen.moe with the group alone), bad input
-refused before the rows move (bad ids on one rank: every rank raises). Prints one line per
-case; exits non-zero on a failure.
+refused before the rows move (bad ids on one rank: every rank raises). Then the levels with
+1 node x 2 GPUs: the node-local megakernel over both GPUs, the path a node of several GPUs
+takes (two GPUs cannot form two nodes of two). Prints one line per case; exits non-zero on a
+failure.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 import mokgen
 from mokgen.reference import moe_reference, rel_error
 from mokgen.runtime import InputError
+from mokgen.runtime.multinode import moe_multinode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ep_worker import routing  # noqa: E402
@@ -56,13 +59,21 @@ def main():
     failures = 0
     cap = max(int(t) for t in a.tokens.split(","))
 
-    def case(name, T, kind, runs=1):
+    def levels(x, ids, w, nodes):
+        if nodes == world:
+            return mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, nodes=world)
+        # 1 node x 2 GPUs through the levels: no row crosses a network, the node-local layer is
+        # the NVLink megakernel over both GPUs (top-1, one pair per row), with the node-local
+        # workspace growing as the calls grow: the node-local path of nodes of several GPUs
+        return moe_multinode(x, ids, w, *local, (El, K, H, I, 0), dist.group.WORLD, nodes, True)
+
+    def case(name, T, kind, runs=1, nodes=world):
         nonlocal failures
         x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
         ids, w = routing(T, E, K, kind, rank, world, gen)
         t0 = time.time()
         with torch.no_grad():
-            outs = [mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, nodes=world) for _ in range(runs)]
+            outs = [levels(x, ids, w, nodes) for _ in range(runs)]
             torch.cuda.synchronize()
             # the same work on 1 node x 2 GPUs (the NVLink megakernel)
             one_node = mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, max_tokens=cap)
@@ -82,6 +93,11 @@ def main():
     case("uneven", 513 if rank == 0 else 7, "uniform")
     case("one rank empty", 0 if rank == world - 1 else 300, "skewed")
     case("20 runs, same bits", min(2048, cap), "skewed", runs=20)
+    for T in (int(t) for t in a.tokens.split(",")):
+        for kind in ("uniform", "skewed"):
+            case(f"levels, 1 node x {world} GPUs", T, kind, nodes=1)
+    case("levels, 1 node, one rank empty", 0 if rank == world - 1 else 300, "skewed", nodes=1)
+    case("levels, 1 node, same bits", min(2048, cap), "skewed", runs=20, nodes=1)
 
     # bad arguments: refused before any exchange, the same way on every rank
     x = torch.randn(8, H, device="cuda", generator=gen).bfloat16()

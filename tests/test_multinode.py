@@ -92,14 +92,24 @@ def test_build_writes_the_levels_and_show_prints_them(tmp_path):
     assert r.returncode == 2 and "not divisible by nodes=3" in r.stderr
 
 
-def test_the_one_host_read_is_parsed_per_node():
-    """read_sizes: this rank's (rows, pairs, bad) per destination node, then every rank's for
-    this one, then this rank's own pairs; a rank that found bad input is named on every rank."""
-    from mokgen.runtime.multinode import read_sizes
+def test_the_one_host_read_is_parsed_per_rail_and_node():
+    """read_levels: every rank's [rows to each node, pairs to each node, own pairs, bad] over
+    the group; what one rank of 2 nodes x 2 GPUs takes from it (its rail: the GPUs of its local
+    index), and a rank that found bad input is named on every rank."""
+    from mokgen.runtime.multinode import read_levels
 
-    # rank 1 of 3: sends 5 rows (9 pairs) to node 0, none to itself, 7 rows (8 pairs) to node 2;
-    # receives 4 rows (6 pairs) from rank 0 and 2 rows (3 pairs) from rank 2; 11 own pairs
-    sizes = [5, 9, 0, 0, 0, 0, 7, 8, 0] + [4, 6, 0, 0, 0, 0, 2, 3, 0] + [11]
-    assert read_sizes(sizes, 3) == ([5, 0, 7], [4, 0, 2], 9, 11, [])
-    sizes[9 + 2] = sizes[9 + 8] = 1  # ranks 0 and 2 found bad ids
-    assert read_sizes(sizes, 3)[-1] == [0, 2]
+    table = [0, 5, 0, 9, 11, 0,   # rank 0 (node 0, GPU 0): 5 rows (9 pairs) to node 1, 11 own pairs
+             0, 3, 0, 4, 12, 0,   # rank 1 (node 0, GPU 1)
+             4, 0, 6, 0, 13, 0,   # rank 2 (node 1, GPU 0)
+             2, 0, 3, 0, 14, 0]   # rank 3 (node 1, GPU 1)
+    got = read_levels(table, nodes=2, G=2, rank=1)
+    # rank 1 sends to rank 3 (its rail on node 1) and receives rank 3's 2 rows (3 pairs); the
+    # node's GPUs pass at most 12 pair rows to one call (rank 1's own pairs)
+    assert got == dict(sent=[0, 3], received=[0, 2], arrived_pairs=3, own_pairs=12, bad_ranks=[], node_rows=12)
+    assert read_levels(table, nodes=2, G=2, rank=2)["node_rows"] == 14  # node 1: rank 3's own pairs
+    assert read_levels(table, nodes=2, G=2, rank=0)["arrived_pairs"] == 6
+    table[5] = table[17] = 1  # ranks 0 and 2 found bad ids
+    assert read_levels(table, nodes=2, G=2, rank=3)["bad_ranks"] == [0, 2]
+    # one GPU per node: the rail is the group
+    one = read_levels([0, 5, 0, 9, 11, 0, 4, 0, 6, 0, 13, 0], nodes=2, G=1, rank=0)
+    assert (one["sent"], one["received"], one["arrived_pairs"]) == ([0, 5], [0, 4], 6)

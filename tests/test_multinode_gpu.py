@@ -1,5 +1,6 @@
 """Golden tests of the layer over 2 nodes x 1 GPU (tests/multinode_worker.py under torchrun):
-two GPUs whose tokens cross through NCCL, as between nodes. They need two GPUs and the
+two GPUs whose tokens cross through NCCL, as between nodes; and of its levels over 1 node x 2
+GPUs (the node-local megakernel over both). They need two GPUs and the
 node-local layer built (benchmarks/build_gpu_variants.py); elsewhere they skip."""
 import os
 import subprocess
@@ -22,7 +23,9 @@ def test_two_nodes_of_one_gpu_golden():
         pytest.skip("needs 2 GPUs")
     from mokgen.runtime import variants_root
 
-    for s in (node_local_spec(SPEC), MoESpec(**{**SPEC.to_dict(), "nodes": 1})):
+    one_node = MoESpec(**{**SPEC.to_dict(), "nodes": 1})
+    # (node_local_spec(one_node): the node-local megakernel over both GPUs, top-1)
+    for s in (node_local_spec(SPEC), one_node, node_local_spec(one_node)):
         if not (variants_root() / s.variant / "build").is_dir():
             pytest.skip(f"{s.variant} is not built (benchmarks/build_gpu_variants.py)")
     root = Path(__file__).resolve().parents[1]

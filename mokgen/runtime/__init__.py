@@ -135,12 +135,15 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     backward exchanges again and is collective as well (every rank runs the backward of every
     layer it ran, so the layer's output must reach every rank's loss).
 
-    Across nodes: nodes=N (> 1) says the group's ranks are in N nodes, node-major. Tokens go to
-    other nodes through NCCL (torch.distributed), each token once per destination node, and
-    the node-local generated layer runs the pairs (mokgen/schedule/multinode.py). One GPU per
-    node runs (N = group size); forward only (under torch.no_grad()); no shared expert. Ids
-    out of range on any rank (and, with check_ids, x with NaN or Inf) are found on the device
-    and read with the call's sizes: every rank raises InputError at the same point.
+    Across nodes: nodes=N (> 1) says the group's ranks are in N nodes of G = W/N GPUs,
+    node-major (rank = node * G + local index). Tokens go to other nodes through NCCL
+    (torch.distributed) over the rail of GPUs with the same local index, each token once per
+    destination node, and the node-local generated layer runs the pairs
+    (mokgen/schedule/multinode.py): the single-GPU layer (G = 1) or the NVLink
+    expert-parallel megakernel over the node's GPUs, whose workspace grows with the calls (every
+    GPU of a node at once). Forward only (under torch.no_grad()); no shared expert. Ids out of
+    range on any rank (and, with check_ids, x with NaN or Inf) are found on the device and read
+    with the call's sizes: every rank raises InputError at the same point.
     """
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)

@@ -101,9 +101,9 @@ def hierarchy(spec: MoESpec) -> dict:
         stages=[
             dict(name="route_to_nodes", where="every rank", what="per token, the other nodes its K experts are on "
                  "(deduplicated); send order: destination node, then token", stream="main"),
-            dict(name="exchange_counts", where="rail group", what="rows and pairs per destination node (one small "
-                 "all_to_all; the host reads them, with its own pairs, in one transfer to size the exchange)",
-                 stream="main"),
+            dict(name="exchange_counts", where="whole group", what="every rank's rows and pairs per destination "
+                 "node, own pairs and input verdict (one small all_gather; the host reads them in one transfer to "
+                 "size the exchange and the node-local workspace)", stream="main"),
             dict(name="exchange_rows", where="rail group", what="each token's row and its slots on that node, once "
                  "per destination node", stream="network", overlaps="own_pairs"),
             dict(name="own_pairs", where="this rank's node", what=f"the pairs of this rank's tokens on its own node: "
@@ -123,7 +123,8 @@ def hierarchy(spec: MoESpec) -> dict:
             f"inside a node: {inside}, generated as {local.variant} (top-1 over the node's {local.experts} experts: "
             "one row per pair, so no slot of another node is computed)",
             "overlap: the token rows travel on a stream of their own while the rank's own-node pairs compute",
-            "the call reads the per-node row counts on the host once (the engine's all_to_all needs its split sizes)",
+            "the call reads every rank's per-node row counts on the host once (the engine's all_to_all needs its "
+            "split sizes; the GPUs of a node size their shared workspace from the same numbers)",
         ],
     )
 
