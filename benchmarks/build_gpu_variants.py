@@ -26,12 +26,8 @@ for i, spec in enumerate(specs + ep_specs):
     print(f"[{i + 1}/{len(specs) + len(ep_specs) + 1}] {spec.variant}", flush=True)
     build(spec, default_out(), force=force, log=lambda m: None)
 # 2 nodes x 1 GPU (tests/multinode_worker.py, benchmarks/multinode_bench.py): the node-local layer
-# (top-1 over each node's experts) and the levels beside it.
+# (top-K over each node's experts, the other nodes' slots empty) and the levels beside it.
 build(MoESpec(**{**ep_specs[0].to_dict(), "nodes": 2}), default_out(), force=force, log=lambda m: None)
-# The levels over 1 node x 2 GPUs (the worker's node-local megakernel path): top-1 over 64 experts on 2 GPUs.
-from mokgen.schedule.multinode import node_local_spec  # noqa: E402
-
-build(node_local_spec(ep_specs[0]), default_out(), force=force, log=lambda m: None)
 # Expert parallel, the gate/up launch sending its rows itself (Plan override gemm_sends): the
 # golden worker and ep_bench --variants run it from this directory (MOKGEN_HOME).
 build(ep_specs[0], default_out() / "experiments" / "ep_gemm_sends", overrides={"gemm_sends": True}, force=force,

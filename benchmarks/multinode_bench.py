@@ -111,7 +111,7 @@ def main():
                   f"{row['model_remote_nodes']:.3f}) in {xchg:.3f} ms, {gbs:.0f} GB/s  | model at that rate "
                   f"{model['predicted_ms']:.3f} ms (GEMMs {model['gemm_ms']:.3f} ms at "
                   f"{H200.grouped_gemm_tflops:.0f} TF/s)", flush=True)
-            print(f"   the levels over 1 node x 2 GPUs (node-local megakernel, top-1 pairs): {levels_one:.3f} ms "
+            print(f"   the levels over 1 node x 2 GPUs (the node-local megakernel, other nodes' slots empty): {levels_one:.3f} ms "
                   f"({one / levels_one:.2f}x of the megakernel on the tokens)", flush=True)
     if rank == 0 and a.json:
         with open(a.json, "w") as f:

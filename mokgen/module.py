@@ -40,14 +40,17 @@ def torch_grouped_mm(x, ids, w, w13, wd, I, shared=None):
     T, _ = x.shape
     E, K = wd.shape[0], ids.shape[1]
     flat = ids.reshape(-1).long()
+    flat = torch.where(flat < 0, E, flat)  # empty slots (-1) sort last, past every expert's group
     order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E + 1)[:E], 0).to(torch.int32)
     tok = order // K
     h13 = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
     h = F.silu(h13[:, :I]) * h13[:, I:]
     y = torch._grouped_mm(h, wd.transpose(1, 2), offs=offs)
     out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
-    out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None])
+    # (rows past the last group's offset are left unwritten by _grouped_mm: selected away)
+    kept = (flat[order] < E)[:, None]
+    out.index_add_(0, tok, torch.where(kept, y.float(), 0.0) * w.reshape(-1)[order, None])
     if shared is not None:
         torch_shared_expert(x, *shared, out)
     return out.to(x.dtype)

@@ -16,7 +16,9 @@ import torch
 from .reference import dot_error_scales, moe_reference, rel_error
 
 TOLERANCE = 1e-2  # DESIGN.md: bf16 relative error bound against float64
-ROUTINGS = ("uniform", "skewed")
+# uniform; skewed (the upper half of the experts empty, one hot expert); dropped (uniform with
+# about a third of the slots empty, id -1, and token 0 with every slot empty)
+ROUTINGS = ("uniform", "skewed", "dropped")
 
 
 def make_inputs(spec, tokens: int, routing: str = "uniform", gen: torch.Generator | None = None,
@@ -39,6 +41,9 @@ def make_inputs(spec, tokens: int, routing: str = "uniform", gen: torch.Generato
         logits[:, min(3, E - 1)] = 1e4  # one hot expert gets every token
     w, ids = torch.topk(torch.softmax(logits, -1), K, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).float().contiguous()
+    if routing == "dropped":  # empty slots: a capacity-limited router's dropped pairs
+        ids = torch.where(torch.rand(ids.shape, device=device, generator=gen) < 1 / 3, -1, ids)
+        ids[:1] = -1
     wg, wu = randn(E, I, H, scale=1 / math.sqrt(H)), randn(E, I, H, scale=1 / math.sqrt(H))
     wd = randn(E, H, I, scale=1 / math.sqrt(I))
     shared = (None, None, None)

@@ -34,6 +34,8 @@ def routing(T, E, K, kind, rank, world, gen):
     dev = "cuda"
     if kind == "uniform":
         scores = torch.rand(T, E, device=dev, generator=gen)
+    elif kind == "dropped":
+        scores = torch.rand(T, E, device=dev, generator=gen)
     else:  # skewed: every token picks among rank 0's experts, expert 1 first (hot)
         El = E // world
         scores = torch.rand(T, E, device=dev, generator=gen)
@@ -41,6 +43,9 @@ def routing(T, E, K, kind, rank, world, gen):
         scores[:, 1] += 2.0
     ids = torch.topk(scores, K, dim=-1).indices.to(torch.int32)
     w = torch.softmax(torch.randn(T, K, device=dev, generator=gen), -1)
+    if kind == "dropped":  # empty slots (id -1): about a third, and every slot of token 0
+        ids = torch.where(torch.rand(ids.shape, device=dev, generator=gen) < 1 / 3, -1, ids).to(torch.int32)
+        ids[:1] = -1
     return ids, w
 
 
@@ -117,6 +122,8 @@ def main():
     case("uneven", 513 if rank == 0 else 7, "uniform")
     case("one rank empty", 0 if rank == world - 1 else 300, "skewed")
     case("20 runs, same bits", min(4096, cap), "skewed", runs=20)
+    case("empty slots", min(4096, cap), "dropped")
+    case("empty slots, few tokens", 100, "dropped")
     # Small calls run the single launch (send, GEMMs and return in one kernel), larger ones the
     # per-GEMM path; ranks may take different ones in one call, and both give the same bits.
     from mokgen.runtime import find_variant
@@ -231,6 +238,7 @@ def main():
     grad_case("backward one rank empty", [0 if r == world - 1 else 300 for r in range(world)], "skewed")
     grad_case("backward one rank empty", [0 if r == world - 1 else 300 for r in range(world)], "skewed", recompute=True)
     grad_case("backward 20 runs, same bits", [min(1024, cap)] * world, "skewed", runs=20)
+    grad_case("backward empty slots", [513] * world, "dropped")
     find_variant(E, K, H, I, S, world_size=world).poison = False
 
     # The absent-peer cases come first: they need a workspace every rank has already made,

@@ -63,7 +63,7 @@ def main():
         if nodes == world:
             return mokgen.moe(x, ids, w, *local, group=dist.group.WORLD, nodes=world)
         # 1 node x 2 GPUs through the levels: no row crosses a network, the node-local layer is
-        # the NVLink megakernel over both GPUs (top-1, one pair per row), with the node-local
+        # the NVLink megakernel over both GPUs (top-K, the other nodes' slots empty), with the node-local
         # workspace growing as the calls grow: the node-local path of nodes of several GPUs
         return moe_multinode(x, ids, w, *local, (El, K, H, I, 0), dist.group.WORLD, nodes, True)
 
@@ -93,11 +93,13 @@ def main():
     case("uneven", 513 if rank == 0 else 7, "uniform")
     case("one rank empty", 0 if rank == world - 1 else 300, "skewed")
     case("20 runs, same bits", min(2048, cap), "skewed", runs=20)
+    case("empty slots", 513, "dropped")
     for T in (int(t) for t in a.tokens.split(",")):
         for kind in ("uniform", "skewed"):
             case(f"levels, 1 node x {world} GPUs", T, kind, nodes=1)
     case("levels, 1 node, one rank empty", 0 if rank == world - 1 else 300, "skewed", nodes=1)
     case("levels, 1 node, same bits", min(2048, cap), "skewed", runs=20, nodes=1)
+    case("levels, 1 node, empty slots", 513, "dropped", nodes=1)
 
     # bad arguments: refused before any exchange, the same way on every rank
     x = torch.randn(8, H, device="cuda", generator=gen).bfloat16()

@@ -127,6 +127,23 @@ def test_route_golden(shape, renormalize, gen):
     assert ((w.double() - ref_w).abs().max().item()) < 1e-5
 
 
+def test_route_nonfinite_logits_are_reported(gen):
+    """A token without a finite logit gets id E (out of range, unlike the empty slot -1): the
+    dispatch reports it after the call, routed inside the single launch or not."""
+    import mokgen
+    from mokgen.runtime import InputError
+
+    E, K = SHAPES[0][:2]
+    x, _, _, wg, wu, wd, _ = make_inputs(SHAPES[0], 16, "uniform", gen)
+    logits = torch.randn(16, E, device="cuda", generator=gen)
+    logits[5] = float("nan")
+    ids, _ = mokgen.route(logits, K)
+    assert (ids[5] == E).all() and (ids[:5] < E).all()
+    mokgen.moe_routed(x, logits, K, wg, wu, wd)
+    with pytest.raises(InputError, match="outside"):
+        mokgen.check_errors()
+
+
 @pytest.mark.parametrize("T", [1, 1000])
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: "e{}k{}".format(*s))
@@ -198,6 +215,41 @@ def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
     v.forward(x, bad, w, wg, wu, wd)
     with pytest.raises(InputError, match="outside \\[0, 64\\)"):
         v.check_errors()
+
+
+@pytest.mark.parametrize("T", [7, 1000, 4096, 16384])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
+def test_empty_slots_golden(shape, T, gen):
+    """Slots with id -1 (dropped pairs; token 0 has only such) contribute nothing and raise no
+    error, on the fused path (small T) and the per-GEMM path."""
+    import mokgen
+    from mokgen.verify import check_forward
+
+    v = mokgen.load(spec_of(shape))
+    r = check_forward(v, T, "dropped", gen)
+    v.check_errors()
+    assert not r.unwritten and r.rel_error <= TOL, f"relative error {r.rel_error:.3e}"
+
+
+def test_empty_slots_chunked_dispatch_and_backward(gen):
+    """The chunked dispatch counts the empty slots too (no error); the backward gives them a
+    d_topk_weights of exactly 0 and every gradient matches float64 autograd."""
+    import mokgen
+    from mokgen.verify import check_backward, check_forward
+
+    v = mokgen.load(experiment_dir("chunked") / spec_of(SHAPES[0]).variant)
+    r = check_forward(v, 4096, "dropped", gen)
+    v.check_errors()
+    assert not r.unwritten and r.rel_error <= TOL
+    for shape in (SHAPES[0], SHAPES[4]):
+        v = mokgen.load(spec_of(shape))
+        r = check_backward(v, 1000, "dropped", gen)
+        v.check_errors()
+        assert not r.unwritten and not r.failures, r.failures
+    x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], 513, "dropped", gen)
+    w.requires_grad_(True)
+    mokgen.moe(x, ids, w, wg, wu, wd).float().sum().backward()
+    assert (w.grad[ids < 0] == 0).all() and (w.grad[ids >= 0] != 0).any()
 
 
 def test_torch_compile_fake(gen):

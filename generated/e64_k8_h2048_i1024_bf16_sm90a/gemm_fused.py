@@ -173,7 +173,8 @@ D_TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM
 D_ITEMS = 4  # pairs per thread and step of the compaction
 D_WARPS = THREADS // 32
 D_STATUS_SLOT = 13  # tile_counters entry for the call's error code (0: none)
-D_BAD_IDS = 1  # error code: some topk_ids were outside [0, D_EXPERTS)
+D_BAD_IDS = 1  # error code: some topk_ids were outside [0, D_EXPERTS) and not EMPTY
+D_EMPTY = -1  # the id of an empty slot (a dropped pair): no row, no error
 D_USED_SLOT = 10  # tile_counters entry: the fused launch's used M tiles
 
 
@@ -243,22 +244,23 @@ def scatter_expert(
       routing always gives the same positions;
     - row_token[row] = t for every row (-1 for padding rows): the gate/up GEMM gathers its
       A rows from x through it, so no permuted copy of x is ever made.
-    Routed ids outside [0, D_EXPERTS) match no expert: they get no row, and the expert-0
-    call records D_BAD_IDS (the host raises when it reads the error code).
+    Routed ids outside [0, D_EXPERTS) match no expert: they get no row. Empty slots (D_EMPTY)
+    are meant so; for any other such id the expert-0 call records D_BAD_IDS (the host raises
+    when it reads the error code): it counts the empty slots in its pass over the ids, and the
+    experts' pairs and the empty slots must add up to T*K.
     """
     lane = cute.arch.lane_idx()
     warp = tidx // 32
     n = cute.size(ids)
 
     # Tiles of the experts before e, and of all experts (warp 0).
+    pairs = cutlass.Int32(0)  # (thread 0: the pairs every expert counted)
     if warp == 0:
-        before, total, pairs = expert_prefix(counts, e, lane)
+        before, total, pairs_all = expert_prefix(counts, e, lane)
+        pairs = pairs_all
         if lane == 0:
             shared_scalars[0] = before
             shared_scalars[1] = total
-            if e == 0:
-                if pairs != n:
-                    tile_counters[D_STATUS_SLOT] = D_BAD_IDS
     cute.arch.sync_threads()
     tiles_before = shared_scalars[0]
     tiles_total = shared_scalars[1]
@@ -284,6 +286,7 @@ def scatter_expert(
     # (warp shuffles, then the warp totals in shared memory).
     base = tiles_before * D_TILE_M
     running = cutlass.Int32(0)
+    empties = cutlass.Int32(0)  # this thread's empty slots (read by the expert-0 call only)
     hits = cute.make_rmem_tensor((D_ITEMS,), cutlass.Int32)
     for chunk in cutlass.range(0, n, THREADS * D_ITEMS, unroll=1):
         first = chunk + tidx * D_ITEMS
@@ -291,8 +294,11 @@ def scatter_expert(
         for j in cutlass.range_constexpr(D_ITEMS):
             hits[j] = 0
             if first + j < n:
-                if ids[first + j] == e:
+                idv = ids[first + j]
+                if idv == e:
                     hits[j] = 1
+                if idv == D_EMPTY:
+                    empties = empties + 1
             mine = mine + hits[j]
         incl = mine
         for sh in cutlass.range_constexpr(5):
@@ -317,6 +323,16 @@ def scatter_expert(
                 rank = rank + 1
         running = running + step_total
         cute.arch.sync_threads()
+    if e == 0:  # every pair is an expert's or an empty slot, else some id was out of range
+        empties = cute.arch.warp_reduction(empties, lambda a, b: a + b)
+        if lane == 0:
+            warp_cnt[warp] = empties
+        cute.arch.sync_threads()
+        if tidx == 0:
+            for w in cutlass.range_constexpr(D_WARPS):
+                pairs = pairs + warp_cnt[w]
+            if pairs != n:
+                tile_counters[D_STATUS_SLOT] = D_BAD_IDS
     cute.arch.sync_threads()  # shared_scalars may be written again by the caller's next expert
 
 SITE_DISPATCH = 6  # a CTA waited for every token to be routed, or every expert counted or placed

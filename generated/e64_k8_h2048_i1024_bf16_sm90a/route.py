@@ -50,7 +50,7 @@ def route_token(logits: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, t: 
     go to the lower expert id, so the picks are deterministic and do not depend on the
     reduction order. The weights are the softmax probabilities, renormalised over the picks
     where R_RENORMALIZE. Lane 0 writes ids[t, :] and weights[t, :]. A token with no finite
-    logit gets id -1 (out of range: the dispatch reports it)."""
+    logit gets id R_EXPERTS (out of range: the dispatch reports it)."""
     neg_inf = cutlass.Float32(-float("inf"))
     vals = cute.make_rmem_tensor((R_SLOTS,), cutlass.Float32)
     top, denom = softmax_stats(logits, t, lane, vals)
@@ -81,7 +81,10 @@ def route_token(logits: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, t: 
         prev_v = best_v
         prev_j = best_j
         if lane == 0:
-            ids[t, k] = best_j
+            if best_j < 0:  # no finite logit: an id out of range (not the empty slot, -1), which the dispatch reports
+                ids[t, k] = R_EXPERTS
+            else:
+                ids[t, k] = best_j
     if lane == 0:
         for k in cutlass.range_constexpr(R_TOPK):
             if cutlass.const_expr(R_RENORMALIZE):

@@ -110,10 +110,13 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
         recv_rows: int | None = None, nodes: int | None = None):
     """out[t] = bf16(sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) + shared(x)[t]).
 
-    Checks every input before any launch. check_ids also checks the values (ids in range, x
-    finite), which reads one small tensor back to the host (a synchronisation); it is skipped
-    during CUDA graph capture. Unchecked out-of-range ids contribute nothing and are reported
-    by the device: mokgen.check_errors() or the next call raises InputError.
+    An id of -1 is an empty slot (a dropped pair, as capacity-limited routers make): it
+    contributes nothing, and its d_topk_weights entry is 0.
+
+    Checks every input before any launch. check_ids also checks the values (ids in [0, E) or
+    -1, x finite), which reads one small tensor back to the host (a synchronisation); it is
+    skipped during CUDA graph capture. Unchecked out-of-range ids contribute nothing and are
+    reported by the device: mokgen.check_errors() or the next call raises InputError.
 
     Differentiable in x, topk_weights and the weights. Under autograd it saves the inputs and
     the SwiGLU inputs x @ w_gate^T, x @ w_up^T (2 x ~T*K x I bf16, + 2 x T x Is with a shared

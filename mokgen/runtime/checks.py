@@ -63,7 +63,7 @@ def check_moe_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, w
 
 
 def check_ids_in_range(topk_ids: torch.Tensor, experts: int, x: torch.Tensor | None = None) -> None:
-    """ids in [0, E), and x free of NaN and Inf. Reads one small tensor back to the host: a
+    """ids in [0, E) or -1 (an empty slot), and x free of NaN and Inf. Reads one small tensor back to the host: a
     synchronisation, so it is skipped while a CUDA graph is being captured (the kernels then
     report bad ids through the error code; see Variant.check_errors)."""
     if topk_ids.numel() == 0 or torch.cuda.is_current_stream_capturing():
@@ -72,5 +72,6 @@ def check_ids_in_range(topk_ids: torch.Tensor, experts: int, x: torch.Tensor | N
     stats = [lo, hi] + ([torch.isfinite(x).all()] if x is not None else [])
     values = torch.stack([v.to(torch.int64) for v in stats]).tolist()  # one transfer
     lo, hi = values[0], values[1]
-    _need(lo >= 0 and hi < experts, f"topk_ids must be in [0, {experts}), found values in [{lo}, {hi}]")
+    _need(lo >= -1 and hi < experts, f"topk_ids must be in [0, {experts}) or -1 (an empty slot), found values in "
+                                     f"[{lo}, {hi}]")
     _need(x is None or values[2] == 1, "x holds NaN or Inf values: the layer's output would be NaN")

@@ -9,15 +9,18 @@ from __future__ import annotations
 import torch
 
 from ..ir import MoESpec, SpecError
+from ..schedule.plan import EMPTY_ID as EMPTY
 from .checks import InputError
 
-# (group, device) -> the side stream the row exchange runs on
+# (group, device) -> the side stream the counts and the row exchange run on
 _STREAMS: dict = {}
+# entries -> the pinned host buffer of the call's one host read
+_HOST: dict = {}
 # (group name, nodes) -> (rail group, node group): made once, by their members only
 _LEVEL_GROUPS: dict = {}
 # (variant, node group, device) -> the node-local layer's peer workspace (nodes of several GPUs)
 _NODE_WORKSPACES: dict = {}
-# The smallest node-local workspace, in pair rows per rank: it grows in powers of two from here.
+# The smallest node-local workspace, in token rows per rank: it grows in powers of two from here.
 MIN_NODE_CAPACITY = 1024
 
 
@@ -26,7 +29,8 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
 
     Ranks are node-major (rank = node * G + local index, G = GPUs per node). nodes=1 runs the
     levels too (no rows cross a network; the node-local layer is the megakernel over the group):
-    the path the tests take where two GPUs cannot form two nodes of two."""
+    the path the tests take where two GPUs cannot form two nodes of two. Ids of -1 are empty
+    slots, as in the one-node layer."""
     import torch.distributed as dist
 
     from . import find_variant
@@ -48,35 +52,55 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
 
     local = node_local_spec(spec)
     G = spec.gpus_per_node
-    v = find_variant(local.experts, 1, H, I, 0, world_size=G)
+    v = find_variant(local.experts, K, H, I, 0, world_size=G)
     node, En = rank // G, spec.node_experts
     rail, inside = level_groups(group, nodes, G)
     T, dev = x.shape[0], x.device
 
     # Level 1: each token once to every other node one of its experts is on, over the rail (to
     # the GPU of the same local index there); send order: destination node, then token.
-    # Everything the host must know (every rank's rows and pairs per node, its own pairs, its
-    # verdict on its input) is gathered over the group in one small collective and read back
-    # in one transfer. Bad input on any rank is found on the device and read with the sizes,
-    # so every rank raises at the same point (one rank raising alone would leave the others
-    # waiting in the engine or in the node-local megakernel).
+    # Everything the host must know (every rank's rows per node, its tokens, its verdict on its
+    # input) is gathered over the group in one small collective and read back in one transfer.
+    # Bad input on any rank is found on the device and read with the sizes, so every rank
+    # raises at the same point (one rank raising alone would leave the others waiting in the
+    # engine or in the node-local megakernel).
     valid = (topk_ids >= 0) & (topk_ids < spec.experts)
-    bad = (~valid).any()
+    bad = ((topk_ids < EMPTY) | (topk_ids >= spec.experts)).any()
     if check_ids:
         bad = bad | ~torch.isfinite(x).all()
-    node_of = torch.where(valid, topk_ids.long() // En, node)  # [T, K]; in range whatever the ids
-    goes = torch.zeros(T, nodes, dtype=torch.bool, device=dev)
+    node_of = torch.where(valid, topk_ids.long() // En, nodes)  # [T, K]; `nodes` for an empty or bad slot
+    goes = torch.zeros(T, nodes + 1, dtype=torch.bool, device=dev)
     goes.scatter_(1, node_of, True)
+    goes = goes[:, :nodes]
     goes[:, node] = False
-    own = node_of == node
-    pairs_to = torch.bincount(node_of.flatten(), minlength=nodes)
-    pairs_to[node] = 0
-    mine = torch.cat([goes.sum(0), pairs_to, own.sum().view(1), bad.long().view(1)])
+    mine = torch.cat([goes.sum(0), torch.full((1,), T, dtype=torch.int64, device=dev), bad.long().view(1)])
+    main = torch.cuda.current_stream(dev)
+    key = (getattr(group, "group_name", id(group)), dev)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(dev)
+    side = _STREAMS[key]
+    # The gather and its copy to the host run on the side stream, so that (one GPU per node)
+    # the own tokens' layer, which needs none of it, computes on the main stream meanwhile.
+    counted = torch.cuda.Event()
+    counted.record(main)
+    side.wait_event(counted)
     table = torch.empty(W, mine.numel(), dtype=mine.dtype, device=dev)
-    dist.all_gather_into_tensor(table, mine, group=group)
-    levels = read_levels(table.flatten().tolist(), nodes, G, rank)  # (the host read)
+    host = _host_buffer(table.numel())
+    with torch.cuda.stream(side):
+        dist.all_gather_into_tensor(table, mine, group=group)
+        host.copy_(table.view(-1), non_blocking=True)
+        read = torch.cuda.Event()
+        read.record(side)
+    for t in (mine, table):
+        t.record_stream(side)
+    weights = (w_gate, w_up, w_down)
+    own_ids = torch.where(node_of == node, topk_ids - node * En, EMPTY).to(torch.int32)
+    own_sum = v.forward(x, own_ids, topk_weights, *weights) if G == 1 else None
+    read.synchronize()
+    levels = read_levels(host.tolist(), nodes, G, rank)  # (the host read)
     if levels["bad_ranks"]:
-        raise InputError(f"topk_ids outside [0, {spec.experts})" + (" or x with NaN or Inf" if check_ids else "") +
+        raise InputError(f"topk_ids outside [0, {spec.experts}) and not -1" + (" or x with NaN or Inf" if check_ids
+                                                                               else "") +
                          f" on rank(s) {levels['bad_ranks']} of the group: nothing was computed (every rank raises "
                          "this)")
     sc, rc = levels["sent"], levels["received"]
@@ -84,48 +108,45 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     if G > 1:  # the node's megakernel: one workspace per node, grown together by its GPUs
         peers = node_workspace(v, inside, levels["node_rows"], dev)
     S_rows, R = sum(sc), sum(rc)
-    dest, tok = torch.nonzero_static(goes.t(), size=S_rows).unbind(1)  # sorted by node, then token
-    # A token's row and, per slot, its id on the destination node (-1: another node) and weight
-    # (as int32 bits): one exchange for the rows, one for the slots.
+    # A token's row and its slots on the destination node: the ids there (node-local; -1, an
+    # empty slot, for the other nodes' experts) and the weights (as int32 bits), packed and
+    # exchanged on the side stream (which has the routing already), one exchange for the rows
+    # and one for the slots, while the main stream computes this rank's own tokens.
     recv_x = torch.empty(R, H, dtype=x.dtype, device=dev)
     recv_slots = torch.empty(R, 2 * K, dtype=torch.int32, device=dev)
-    main = torch.cuda.current_stream(dev)
-    if nodes > 1:
-        send_x = x[tok]
-        on_dest = node_of[tok] == dest[:, None]
-        send_slots = torch.cat([torch.where(on_dest, topk_ids[tok].long() - dest[:, None] * En, -1).to(torch.int32),
-                                topk_weights[tok].view(torch.int32)], 1)
-        key = (id(rail), dev)
-        if key not in _STREAMS:
-            _STREAMS[key] = torch.cuda.Stream(dev)
-        side = _STREAMS[key]
-        side.wait_stream(main)
-        with torch.cuda.stream(side):  # the rows travel while this node computes its own pairs
+    with torch.cuda.stream(side):
+        dest, tok = torch.nonzero_static(goes.t(), size=S_rows).unbind(1)  # sorted by node, then token
+        if nodes > 1:
+            send_x = x[tok]
+            on_dest = node_of[tok] == dest[:, None]
+            send_slots = torch.cat([torch.where(on_dest, topk_ids[tok] - (dest[:, None] * En).int(), EMPTY),
+                                    topk_weights[tok].view(torch.int32)], 1)
             dist.all_to_all_single(recv_x, send_x, rc, sc, group=rail)
             dist.all_to_all_single(recv_slots, send_slots, rc, sc, group=rail)
-        for t in (send_x, send_slots, recv_x, recv_slots):
-            t.record_stream(side)
+    for t in (goes, node_of, recv_x, recv_slots, x, topk_ids, topk_weights):
+        t.record_stream(side)
+    tok.record_stream(main)  # (made on the side stream, read by the combine below)
 
-    # Level 2: this rank's own pairs on its own node, then the pairs that arrived (on a node of
-    # several GPUs both calls are collective over the node: every GPU makes both, rows or not).
-    weights = (w_gate, w_up, w_down)
-    own_sum = _pairs_sum(v, x, torch.where(own, topk_ids.long() - node * En, -1), topk_weights,
-                         levels["own_pairs"], weights, peers)
-    if nodes > 1:
-        main.wait_stream(side)
-    arrived = _pairs_sum(v, recv_x, recv_slots[:, :K].long(), recv_slots[:, K:].view(torch.float32),
-                         levels["arrived_pairs"], weights, peers)
+    # Level 2: the node-local layer (top-K over the node's experts, the other nodes' slots
+    # empty) over this rank's own tokens, then over the tokens that arrived; on a node of
+    # several GPUs both calls are collective over the node (every GPU makes both, rows or not).
+    if own_sum is None:
+        own_sum = v.forward(x, own_ids, topk_weights, *weights, peers=peers)
+    main.wait_stream(side)
+    arrived = v.forward(recv_x, recv_slots[:, :K].contiguous(), recv_slots[:, K:].contiguous().view(torch.float32),
+                        *weights, peers=peers)
 
-    # Return: one summed row per (token, node) back to the token's rank; the sum over nodes in
-    # node order, in fp32, rounded once.
+    # Return: one row per (token, node) back to the token's rank (the node-local layer summed
+    # its slots there in fp32 and rounded once); the sum over nodes in node order, in fp32,
+    # rounded once more.
     back = torch.empty(S_rows, H, dtype=torch.bfloat16, device=dev)
     if nodes > 1:
-        dist.all_to_all_single(back, arrived.to(torch.bfloat16), sc, rc, group=rail)
+        dist.all_to_all_single(back, arrived, sc, rc, group=rail)
     acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
     start = 0
     for m in range(nodes):
         if m == node:
-            acc += own_sum
+            acc += own_sum.float()
         elif sc[m]:
             rows = tok[start:start + sc[m]]  # distinct tokens: a deterministic update
             acc[rows] = acc[rows] + back[start:start + sc[m]].float()
@@ -133,25 +154,32 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     return acc.to(torch.bfloat16)
 
 
+def _host_buffer(n: int) -> torch.Tensor:
+    """A pinned int64 host buffer of n entries for the call's one host read, kept between calls
+    (each call has read it before the next one writes it)."""
+    if n not in _HOST:
+        _HOST[n] = torch.empty(n, dtype=torch.int64, pin_memory=True)
+    return _HOST[n]
+
+
 def read_levels(table: list, nodes: int, G: int, rank: int) -> dict:
-    """The call's one host read: every rank's row [rows it sends to each node (nodes), pairs it
-    sends to each node (nodes), its own pairs, whether its input is bad], flattened. What this
-    rank needs of it: rows it sends and receives per node over its rail, the pairs that arrive
-    and its own, the ranks with bad input, and node_rows: the most pair rows any GPU of its node
-    passes to one node-local call (the same number on every GPU of the node)."""
-    width = 2 * nodes + 2
+    """The call's one host read: every rank's row [rows it sends to each node (nodes), its
+    tokens, whether its input is bad], flattened. What this rank needs of it: rows it sends
+    and receives per node over its rail, the ranks with bad input, and node_rows: the most
+    rows any GPU of its node passes to one node-local call (its tokens, or the rows that
+    arrived: the same number on every GPU of the node)."""
+    width = nodes + 2
     rows = [table[r * width:(r + 1) * width] for r in range(len(table) // width)]
     node, lane = divmod(rank, G)
 
     def arriving(r: int) -> int:
         n, g = divmod(r, G)
-        return sum(rows[m * G + g][nodes + n] for m in range(nodes))
+        return sum(rows[m * G + g][n] for m in range(nodes))
 
     members = range(node * G, (node + 1) * G)
     return dict(sent=rows[rank][:nodes], received=[rows[m * G + lane][node] for m in range(nodes)],
-                arrived_pairs=arriving(rank), own_pairs=rows[rank][2 * nodes],
-                bad_ranks=[r for r in range(len(rows)) if rows[r][2 * nodes + 1]],
-                node_rows=max(max(rows[r][2 * nodes], arriving(r)) for r in members))
+                bad_ranks=[r for r in range(len(rows)) if rows[r][nodes + 1]],
+                node_rows=max(max(rows[r][nodes], arriving(r)) for r in members))
 
 
 def level_groups(group, nodes: int, G: int):
@@ -180,7 +208,7 @@ def level_groups(group, nodes: int, G: int):
 
 
 def node_workspace(v, inside, rows: int, device):
-    """The node-local megakernel's peer workspace for calls of up to `rows` pair rows per GPU.
+    """The node-local megakernel's peer workspace for calls of up to `rows` token rows per GPU.
     Every GPU of the node computes the same `rows` from the gathered sizes, so when a call
     needs more than the workspace holds they all make a larger one (the next power of two)
     together: collective over the node, like the first."""
@@ -198,21 +226,3 @@ def node_workspace(v, inside, rows: int, device):
         arrive(inside, f"{v.name}/node workspace {capacity}")
         ws = _NODE_WORKSPACES[key] = PeerWorkspace(v.plan, inside, capacity, device)
     return ws
-
-
-def _pairs_sum(v, rows, slot_ids, slot_w, pairs: int, weights, peers):
-    """fp32 [R, H]: per row j, the sum over its slots k with an id here (`pairs` of them in
-    all), in slot order, of bf16(slot_w[j, k] * expert_{slot_ids[j, k]}(rows[j])), the experts
-    run as the node-local generated layer over one weighted pair per row. On a node of several
-    GPUs (peers given) the call is the node's megakernel, which every GPU of the node makes."""
-    R, K = slot_ids.shape
-    H = rows.shape[1]
-    if pairs == 0 and peers is None:
-        return torch.zeros(R, H, dtype=torch.float32, device=rows.device)
-    j, k = torch.nonzero_static(slot_ids >= 0, size=pairs).unbind(1)  # (row, slot) order
-    ids = slot_ids[j, k].to(torch.int32).view(pairs, 1)
-    # (the variant itself, not its torch op: no autograd here, and the op's dispatch is host time)
-    y = v.forward(rows[j], ids, slot_w[j, k].contiguous().view(pairs, 1), *weights, peers=peers)
-    dense = torch.zeros(R, K, H, dtype=torch.bfloat16, device=rows.device)
-    dense[j, k] = y
-    return dense.sum(1, dtype=torch.float32)  # one fixed-order sum over the slots: the same bits every run

@@ -356,10 +356,13 @@ class Variant:
         tokens = x.shape[0]
         weights = [w_gate, w_up, w_down] + ([ws_gate, ws_up, ws_down] if self.spec.shared_intermediate else [])
         # Every element of dx and of the weight gradients is written (an expert without tokens
-        # gets zeros); d_topk_weights starts at zero for pairs whose id is out of range. The
-        # golden tests' poison mode starts all of them at NaN instead (their ids are valid).
+        # gets zeros); d_topk_weights starts at zero for pairs whose id is out of range (empty
+        # slots included). The golden tests' poison mode starts all of them at NaN instead, but
+        # for those pairs' d_topk_weights entries, which no kernel writes.
         if self.poison:
-            dx, d_weights = torch.full_like(x, float("nan")), torch.full_like(topk_weights, float("nan"))
+            dx = torch.full_like(x, float("nan"))
+            in_range = (topk_ids >= 0) & (topk_ids < self.spec.experts)
+            d_weights = torch.where(in_range, float("nan"), 0.0).to(torch.float32)
             d_w = [torch.full_like(w, float("nan")) for w in weights]
         else:
             dx, d_weights = torch.empty_like(x), torch.zeros_like(topk_weights, dtype=torch.float32)

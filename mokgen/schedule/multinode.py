@@ -9,14 +9,13 @@ levels:
     our own): each token goes once to every other node that owns one of its K experts, with
     its routing (the slots of that node's experts), over the rail of GPUs with the same local
     index (rank g of every node); deduplicated per destination node.
-    level 2 (inside a node): the node's experts run the (token, expert) pairs of this rank's own
-    tokens and of the tokens that arrived, through the node-local generated layer (one pair
-    per row, top-1, over the node's E/N experts: on one GPU the single-GPU layer, on several
-    the NVLink expert-parallel megakernel over the node's GPUs).
-    return: each node sums its pairs of a token (each weighted by its slot's weight in the
-    node-local layer; fp32, slot order) into one row per token and node, which goes back over
-    the rail; the token's rank sums the rows of its own node and of
-    the others in node order (fp32), then rounds once to bf16: deterministic.
+    level 2 (inside a node): the node's experts run this rank's own tokens and the tokens that
+    arrived through the node-local generated layer: top-K over the node's E/N experts, the
+    slots of other nodes' experts empty (id -1: no row, no work), on one GPU the single-GPU
+    layer, on several the NVLink expert-parallel megakernel over the node's GPUs. Its combine
+    sums a token's slots on the node (fp32, slot order) into one bf16 row per token and node.
+    return: that row goes back over the rail; the token's rank sums the rows of its own node
+    and of the others in node order (fp32), then rounds once more to bf16: deterministic.
 
 What overlaps what: the exchange of the token rows runs on a stream of its own while the
 rank computes its own tokens' pairs on its own node; the pairs that arrived run after it.
@@ -36,11 +35,10 @@ META_BYTES_PER_SLOT = 8
 
 
 def node_local_spec(spec: MoESpec) -> MoESpec:
-    """The layer each node runs over the pairs it holds: its E/N experts, one pair per row
-    (top-1, weight 1: the slot weights are applied when the pairs of a token are summed), over
-    the node's GPUs."""
+    """The layer each node runs over the tokens it holds: its E/N experts, top-K with the slots
+    of other nodes' experts empty (id -1), over the node's GPUs."""
     G = spec.gpus_per_node
-    return MoESpec(experts=spec.node_experts, topk=1, hidden=spec.hidden, intermediate=spec.intermediate,
+    return MoESpec(experts=spec.node_experts, topk=spec.topk, hidden=spec.hidden, intermediate=spec.intermediate,
                    dtype=spec.dtype, world_size=G, topology=spec.topology if G > 1 else "single", arch=spec.arch)
 
 
@@ -110,8 +108,8 @@ def hierarchy(spec: MoESpec) -> dict:
                  f"{inside}", stream="main", overlaps="exchange_rows"),
             dict(name="arrived_pairs", where="this rank's node", what="the pairs of the tokens that arrived, the same "
                  "layer", stream="main", after="exchange_rows"),
-            dict(name="sum_pairs", where="every rank", what="per token and node, its pairs' rows (the node-local "
-                 "layer applies each slot's weight) summed in fp32 in slot order", stream="main"),
+            dict(name="sum_slots", where="every rank", what="per token and node, the node-local layer's combine: "
+                 "its slots on the node, weighted, summed in fp32 in slot order, one bf16 row", stream="main"),
             dict(name="exchange_returns", where="rail group", what="one summed row per (token, node) back to the "
                  "token's rank", stream="main"),
             dict(name="combine", where="every rank", what="out[t] = bf16(sum over nodes in node order of the rows, "
@@ -120,8 +118,8 @@ def hierarchy(spec: MoESpec) -> dict:
         decisions=[
             f"{N} nodes x {G} GPU(s): node n owns experts n*{spec.node_experts} .. (n+1)*{spec.node_experts}-1; "
             f"tokens cross the network once per destination node through {ENGINE}",
-            f"inside a node: {inside}, generated as {local.variant} (top-1 over the node's {local.experts} experts: "
-            "one row per pair, so no slot of another node is computed)",
+            f"inside a node: {inside}, generated as {local.variant} (top-{local.topk} over the node's "
+            f"{local.experts} experts, the slots of other nodes' experts empty: id -1, no row, no work)",
             "overlap: the token rows travel on a stream of their own while the rank's own-node pairs compute",
             "the call reads every rank's per-node row counts on the host once (the engine's all_to_all needs its "
             "split sizes; the GPUs of a node size their shared workspace from the same numbers)",

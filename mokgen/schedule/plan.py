@@ -356,7 +356,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # send_expert.
     dparams = dict(experts=spec.experts if ep else E, topk=K, tile_m=1 if ep else row_tile, threads=dispatch_threads,
                    items_per_thread=DISPATCH_ITEMS, tile_align=cluster_m, status_slot=status_slot,
-                   bad_ids_code=BAD_IDS_CODE)
+                   bad_ids_code=BAD_IDS_CODE, empty_id=EMPTY_ID)
     if ep:  # the send order: local expert first (expert_parallel.py)
         dparams.update(order_world=spec.world_size, order_local=E)
     d_experts = dparams["experts"]
@@ -724,9 +724,14 @@ def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict 
                          "one persistent kernel), larger ones one launch per GEMM (measured crossover, docs/perf.md)")
 
 
-# Error code dispatch_scatter records when some topk_ids are outside [0, E) (codes of the
-# GEMMs' timed-out waits are 16 and up; mokgen/runtime/variant.py turns both into errors).
+# Error code dispatch_scatter records when some topk_ids are outside [0, E) and not EMPTY_ID
+# (codes of the GEMMs' timed-out waits are 16 and up; mokgen/runtime/variant.py turns both
+# into errors).
 BAD_IDS_CODE = 1
+# The id of an empty slot: a dropped (token, slot) pair, which gets no row and contributes
+# nothing (its d_topk_weights entry is 0); the layer over several nodes marks the slots of other
+# nodes' experts so.
+EMPTY_ID = -1
 
 CHUNK_THREADS = 256  # chunked dispatch: threads per CTA (8 warps)
 CHUNK_PAIRS = 1024  # and (token, slot) pairs per CTA: 4 ranking steps of 32 per warp
