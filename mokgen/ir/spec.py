@@ -9,7 +9,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-DTYPES = ("bf16",)
+# bf16; fp8: e4m3 values with fp32 block scales (activations 1 x 128, weights 128 x 128),
+# BF16 outputs and gradients (mokgen/fp8.py, docs/fp8.md)
+DTYPES = ("bf16", "fp8")
+FP8_BLOCK = 128  # fp8: the scale block; hidden and intermediate sizes must be multiples of it
 ARCHS = ("sm_90a",)
 TOPOLOGIES = ("single", "nvlink")
 # The grouped GEMMs load K in 64-element (128-byte) steps and the dispatch and
@@ -119,6 +122,11 @@ def validate(s: MoESpec) -> None:
     _size("shared_intermediate", s.shared_intermediate, allow_zero=True)
     if s.dtype not in DTYPES:
         raise SpecError(f"unknown dtype {s.dtype!r}; supported: {', '.join(DTYPES)}")
+    if s.dtype == "fp8":
+        for name in ("hidden", "intermediate", "shared_intermediate"):
+            if getattr(s, name) % FP8_BLOCK:
+                raise SpecError(f"{name}={getattr(s, name)} is not a multiple of {FP8_BLOCK}: fp8 scales cover "
+                                f"{FP8_BLOCK}-wide blocks of K")
     if s.arch not in ARCHS:
         raise SpecError(f"unknown or unsupported arch {s.arch!r}; supported: {', '.join(ARCHS)}")
     if s.topology not in TOPOLOGIES:

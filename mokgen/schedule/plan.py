@@ -241,6 +241,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         raise PlanError(f"{spec.variant} spans {spec.nodes} nodes: its kernels are the node-local layer's "
                         f"({node_local_spec(spec).variant}); `mokgen build` builds that and writes the levels "
                         "(mokgen/schedule/multinode.py)")
+    if spec.dtype == "fp8":
+        raise PlanError(f"{spec.variant}: the FP8 kernels are not generated yet; mokgen.fp8 quantises the experts and "
+                        "emulates the layer they will compute (docs/fp8.md)")
     check_overrides(overrides or {})
     ep = spec.world_size > 1
     if ep:

@@ -1,0 +1,174 @@
+"""FP8 on Hopper: e4m3 values with fp32 block scales, as DeepSeek-V3 trains.
+
+Hopper has no MXFP8 (hardware block scales); its counterpart is e4m3 with scales kept beside
+the values and applied by the kernel:
+
+- activations: one scale per 1 x 128 block (a row's 128 consecutive values along K), so a
+  token's row is quantised on its own, where it is produced;
+- weights: one scale per 128 x 128 block, quantised ahead of time by `quantize_experts`.
+  A square block is the same block read along either dimension, so the transposed copies the
+  backward reads (w^T, contracting over the other dimension) are the same values and scales
+  transposed: nothing is quantised twice.
+
+A block's scale is amax / 448 (the largest finite e4m3), so the block's largest magnitude
+maps to 448; an all-zero block gets scale 1. Values round to nearest even on the cast.
+
+`moe_fp8_emulated` is the layer the FP8 kernels compute, emulated in float64 from the same
+quantised operands: x quantised per 1 x 128, gate/up products summed per 128-wide K block,
+each block's partial sum times its two scales (the kernels' fp32 promotion, at least every
+128 of K, as in DeepGEMM), SwiGLU, the hidden activation quantised per 1 x 128, the down
+product likewise, the weighted sum over the slots. The golden tests compare the kernels with
+it (within 1e-3, the fp32 accumulation's order) and with the float64 reference of the bf16
+layer (FP8_TOLERANCE, what e4m3's 3 mantissa bits allow; docs/fp8.md).
+
+Needs torch (float8_e4m3fn); no CuTe-DSL.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3 value
+BLOCK = 128  # activations: 1 x BLOCK scale blocks; weights: BLOCK x BLOCK
+# Relative error (||out - ref|| / ||ref||) of the FP8 layer against the float64 reference of
+# the bf16 layer that the golden tests allow. e4m3 keeps 3 mantissa bits: one rounding of a
+# Gaussian operand costs 2.6% rms (measured, per 1 x 128 and per 128 x 128 block alike).
+# Five operands are rounded on the way to the output (x, w_gate, w_up, h, w_down) and their
+# errors add in quadrature: sqrt(5) x 2.6% = 5.8%; the CPU emulation measures 6.3% on every
+# shape tried (docs/fp8.md). 8% leaves room for skewed routing; a wrong kernel is off by 100%.
+FP8_TOLERANCE = 8e-2
+# Between the FP8 kernels and their float64 emulation from the same quantised operands only
+# the fp32 accumulation order and the bf16 output rounding differ.
+EMULATION_TOLERANCE = 1e-3
+
+
+class FP8Error(ValueError):
+    """A tensor the FP8 quantisation cannot take (one-line message)."""
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """The block scale: amax / 448 in fp32; 1 for an all-zero block."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of 128) -> (e4m3 [..., K], fp32 scales [..., K / 128]): one
+    scale per 1 x 128 block of a row."""
+    K = x.shape[-1]
+    if K % BLOCK:
+        raise FP8Error(f"the last dimension ({K}) must be a multiple of {BLOCK} for 1 x {BLOCK} blocks")
+    if not torch.isfinite(x).all():
+        raise FP8Error("cannot quantise NaN or Inf values to e4m3")
+    blocks = x.float().reshape(*x.shape[:-1], K // BLOCK, BLOCK)
+    scale = _scale(blocks.abs().amax(-1))
+    q = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.reshape(x.shape), scale
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (both multiples of 128) -> (e4m3 [..., N, K], fp32 scales
+    [..., N / 128, K / 128]): one scale per 128 x 128 block."""
+    N, K = w.shape[-2:]
+    if N % BLOCK or K % BLOCK:
+        raise FP8Error(f"the last two dimensions ({N}, {K}) must be multiples of {BLOCK} for {BLOCK} x {BLOCK} blocks")
+    if not torch.isfinite(w).all():
+        raise FP8Error("cannot quantise NaN or Inf values to e4m3")
+    lead = w.shape[:-2]
+    blocks = w.float().reshape(*lead, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+    scale = _scale(blocks.abs().amax(dim=(-3, -1)))
+    q = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.reshape(w.shape), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    K = q.shape[-1]
+    return (q.to(dtype).reshape(*q.shape[:-1], K // BLOCK, BLOCK) * scale.to(dtype)[..., None]).reshape(q.shape)
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    N, K = q.shape[-2:]
+    lead = q.shape[:-2]
+    blocks = q.to(dtype).reshape(*lead, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+    return (blocks * scale.to(dtype)[..., :, None, :, None]).reshape(q.shape)
+
+
+@dataclass(frozen=True)
+class FP8Weights:
+    """One projection's weights [E, N, K] as e4m3 with 128 x 128 block scales [E, N/128, K/128].
+    `t()` is the transposed copy [E, K, N] the backward reads: the same values and scales."""
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    def t(self) -> "FP8Weights":
+        return FP8Weights(self.values.transpose(-1, -2).contiguous(), self.scales.transpose(-1, -2).contiguous())
+
+    def dequantize(self, dtype=torch.float64) -> torch.Tensor:
+        return dequantize_blocks(self.values, self.scales, dtype)
+
+
+@dataclass(frozen=True)
+class FP8Experts:
+    """The experts' three projections in FP8 (`quantize_experts`), with the transposed copies
+    of the backward: gate_t, up_t [E, H, I] (dx = da @ w_gate + db @ w_up contracts over I) and
+    down_t [E, I, H] (dh = dy @ w_down contracts over H)."""
+    gate: FP8Weights
+    up: FP8Weights
+    down: FP8Weights
+    gate_t: FP8Weights
+    up_t: FP8Weights
+    down_t: FP8Weights
+
+
+def quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> FP8Experts:
+    """w_gate, w_up [E, I, H], w_down [E, H, I] (bf16 or fp32; H and I multiples of 128) ->
+    FP8Experts. Run once per weight update, ahead of the layer's calls."""
+    if w_gate.shape != w_up.shape or w_gate.dim() != 3:
+        raise FP8Error(f"w_gate and w_up must both be [E, I, H], got {list(w_gate.shape)} and {list(w_up.shape)}")
+    E, I, H = w_gate.shape
+    if tuple(w_down.shape) != (E, H, I):
+        raise FP8Error(f"w_down must be [E, H, I] = {[E, H, I]}, got {list(w_down.shape)}")
+    gate, up, down = (FP8Weights(*quantize_blocks(w)) for w in (w_gate, w_up, w_down))
+    return FP8Experts(gate, up, down, gate.t(), up.t(), down.t())
+
+
+def _blockwise_matmul(a_q, a_s, b: FP8Weights) -> torch.Tensor:
+    """a [M, K] (e4m3, 1 x 128 scales) times b^T (b [N, K], 128 x 128 scales) in float64, one
+    partial product per 128-wide K block times its two scales, summed over the blocks: the
+    kernels' promotion of each block's accumulator."""
+    M, K = a_q.shape
+    N = b.values.shape[0]
+    kb = K // BLOCK
+    a = a_q.double().reshape(M, kb, BLOCK)
+    w = b.values.double().reshape(N, kb, BLOCK)
+    partial = torch.einsum("mkb,nkb->kmn", a, w)  # [kb, M, N]
+    s_a = a_s.double().t()[:, :, None]  # [kb, M, 1]
+    s_b = b.scales.double().repeat_interleave(BLOCK, 0).t()[:, None, :]  # [kb, 1, N]
+    return (partial * s_a * s_b).sum(0)
+
+
+def moe_fp8_emulated(x, topk_ids, topk_weights, experts: FP8Experts) -> torch.Tensor:
+    """The FP8 layer in float64 from its quantised operands (returns float64 [T, H]): for every
+    (token, slot) pair with an id in range, w * (q(silu(q(x) Wg^T) * (q(x) Wu^T)) Wd^T), the
+    products blockwise as above, q() the 1 x 128 quantisation of a row."""
+    T, H = x.shape
+    out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
+    if T == 0:
+        return out
+    xq, xs = quantize_rows(x)
+    ids = topk_ids.long()
+    E = experts.gate.values.shape[0]
+    for e in range(E):
+        tok, slot = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        pick = lambda p: FP8Weights(p.values[e], p.scales[e])  # noqa: E731
+        a = _blockwise_matmul(xq[tok], xs[tok], pick(experts.gate))
+        b = _blockwise_matmul(xq[tok], xs[tok], pick(experts.up))
+        h = a / (1.0 + torch.exp(-a)) * b
+        hq, hs = quantize_rows(h.float())  # the SwiGLU epilogue writes h in e4m3, from fp32
+        y = _blockwise_matmul(hq, hs, pick(experts.down))
+        out.index_add_(0, tok, y * topk_weights.double()[tok, slot, None])
+    return out
