@@ -243,7 +243,8 @@ def scatter_expert(
     - row positions in (token, slot) order, a stable compaction (block-wide scan): the same
       routing always gives the same positions;
     - row_token[row] = t for every row (-1 for padding rows): the gate/up GEMM gathers its
-      A rows from x through it, so no permuted copy of x is ever made.
+      A rows from x through it, so no permuted copy of x is ever made;
+    - pos = -1 for an empty slot (the expert-0 call writes it).
     Routed ids outside [0, D_EXPERTS) match no expert: they get no row. Empty slots (D_EMPTY)
     are meant so; for any other such id the expert-0 call records D_BAD_IDS (the host raises
     when it reads the error code): it counts the empty slots in its pass over the ids, and the
@@ -299,6 +300,8 @@ def scatter_expert(
                     hits[j] = 1
                 if idv == D_EMPTY:
                     empties = empties + 1
+                    if e == 0:
+                        pos[first + j] = -1  # no row (the SwiGLU backward finds a row's slot through pos)
             mine = mine + hits[j]
         incl = mine
         for sh in cutlass.range_constexpr(5):
