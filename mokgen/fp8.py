@@ -39,8 +39,9 @@ BLOCK = 128  # activations: 1 x BLOCK scale blocks; weights: BLOCK x BLOCK
 # errors add in quadrature: sqrt(5) x 2.6% = 5.8%; the CPU emulation measures 6.3% on every
 # shape tried (docs/fp8.md). 8% leaves room for skewed routing; a wrong kernel is off by 100%.
 FP8_TOLERANCE = 8e-2
-# Between the FP8 kernels and their float64 emulation from the same quantised operands only
-# the fp32 accumulation order and the bf16 output rounding differ.
+# Between the FP8 kernels and their float64 emulation from the same quantised operands, the
+# emulation's output rounded to bf16 as the kernels round theirs, only the fp32 accumulation
+# order differs (it moves a few outputs by one bf16 step).
 EMULATION_TOLERANCE = 1e-3
 
 

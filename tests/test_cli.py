@@ -42,7 +42,7 @@ def test_console_script_formats_usage_errors(tmp_path):
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-c", "from mokgen.cli import run; run()", "build", "--dtype", "fp8"],
+    p = subprocess.run([sys.executable, "-c", "from mokgen.cli import run; run()", "build", "--dtype", "fp4"],
                        capture_output=True, text=True)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "mokgen: error:" in p.stderr

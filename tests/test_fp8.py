@@ -83,13 +83,20 @@ def test_the_emulated_fp8_layer_is_within_its_tolerance_of_the_reference(routing
         assert (out[0] == 0).all()  # a token with every slot empty gets zeros
 
 
-def test_the_fp8_spec_is_checked_and_refused_by_the_planner_for_now():
+def test_the_fp8_spec_plans_its_kernels_so_far_and_refuses_a_forward(tmp_path):
     s = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8")
     assert s.variant == "e64_k8_h2048_i1024_fp8_sm90a"
     with pytest.raises(SpecError, match="multiple of 128"):
         MoESpec(experts=64, topk=8, hidden=2048, intermediate=960, dtype="fp8")
-    with pytest.raises(PlanError, match="FP8 kernels are not generated yet"):
-        make_plan(s)
+    plan = make_plan(s)
+    assert list(plan.steps) == ["gemm_down_fp8"]
+    with pytest.raises(PlanError, match="one GPU first"):
+        make_plan(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8", world_size=2,
+                          topology="nvlink"))
+    from mokgen.runtime.variant import forward_entry
+
+    with pytest.raises(NotImplementedError, match="forward is not generated yet"):
+        forward_entry(plan.to_dict(), 64)
     r = subprocess.run([sys.executable, "-m", "mokgen.cli", "build", "--dtype", "fp8", "--no-compile", "--out",
-                        "/nonexistent-mokgen-out"], capture_output=True, text=True)
-    assert r.returncode != 0 and "FP8 kernels are not generated yet" in r.stderr and "Traceback" not in r.stderr
+                        str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0 and (tmp_path / s.variant / "gemm_down_fp8.py").exists(), r.stderr

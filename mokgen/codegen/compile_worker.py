@@ -41,7 +41,8 @@ def compile_kernels(variant_dir: Path, build_dir: Path, names: list[str]) -> Non
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
-    dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32, "i64": cutlass.Int64}
+    dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32, "i64": cutlass.Int64,
+              "e4m3": cutlass.Float8E4M3FN}
     kernels = {k["name"]: k for k in plan["kernels"]}
 
     class Fake:

@@ -42,7 +42,7 @@ def _context_key(template: str) -> str:
     # Each template names its Plan entry by a short variable.
     return {"grouped_gemm_persistent.py.j2": "k", "dispatch.py.j2": "d", "dispatch_chunked.py.j2": "d",
             "combine.py.j2": "c", "route.py.j2": "r", "route_backward.py.j2": "r", "swiglu_backward.py.j2": "s",
-            "ep_exchange.py.j2": "p"}[template]
+            "ep_exchange.py.j2": "p", "grouped_gemm_fp8.py.j2": "k"}[template]
 
 
 def _includes(k: KernelPlan) -> list[str]:
@@ -55,6 +55,12 @@ def _includes(k: KernelPlan) -> list[str]:
 
 
 def _shim_kernel(k: KernelPlan) -> dict:
+    # The shim passes one dynamic extent per tensor and no strides: a symbolic extent past a
+    # tensor's first dimension would leave a dynamic stride unset (read as 0).
+    for a in k.args:
+        if any(isinstance(d, str) for d in a.shape[1:]) or sum(isinstance(d, str) for d in a.shape) > 1:
+            raise ValueError(f"{k.name}: argument {a.name} {a.shape} has a symbolic extent past its first dimension; "
+                             "the launch shim passes no strides (lay the tensor out with the symbolic extent first)")
     return dict(name=k.name, stage=k.stage, module=k.module, entry=k.entry,
                 args=[dict(name=a.name, symbolic=any(isinstance(d, str) for d in a.shape)) for a in k.args])
 

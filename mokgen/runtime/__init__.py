@@ -93,7 +93,8 @@ def find_variant(E, K, H, I, S, world_size: int = 1, renormalize: bool | None = 
     key = (os.environ.get("MOKGEN_HOME"), E, K, H, I, S, world_size, renormalize)
     if key not in _BY_SHAPE:  # (found once per process: the lookup reads manifests)
         topology = "nvlink" if world_size > 1 else "single"
-        want = dict(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=world_size)
+        want = dict(experts=E, topk=K, hidden=H, intermediate=I, shared_intermediate=S, world_size=world_size,
+                    dtype="bf16")
         if renormalize is not None:
             want["renormalize"] = renormalize
         _BY_SHAPE[key] = _find_built(want) or load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I,
@@ -300,7 +301,7 @@ def route(router_logits, topk: int, *, renormalize: bool = False, variant: Varia
             raise InputError(str(e)) from None
         # Any built variant with this router serves (the route kernel depends on E, K and
         # renormalisation only); else build the smallest one.
-        variant = _find_built(dict(experts=E, topk=topk, renormalize=renormalize, world_size=1)) or load(spec)
+        variant = _find_built(dict(experts=E, topk=topk, renormalize=renormalize, world_size=1, dtype="bf16")) or load(spec)
     elif variant.spec.experts != E or variant.spec.topk != topk:
         raise InputError(f"variant {variant.name} routes over {variant.spec.experts} experts, top-"
                          f"{variant.spec.topk}; got E={E}, topk={topk}")

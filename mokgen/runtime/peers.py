@@ -21,7 +21,8 @@ from ..ir.graph import C as C_SYM
 from ..schedule.expert_parallel import BACKWARD_REGIONS, REGIONS, STATE
 from .checks import InputError
 
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
+          "e4m3": torch.float8_e4m3fn}
 # How long a rank waits at a host rendezvous for the others (their first call may include
 # loading the variant, or a slow data loader): long, but not forever.
 RENDEZVOUS_TIMEOUT_S = 300.0

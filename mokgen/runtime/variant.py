@@ -26,7 +26,8 @@ from ..schedule.plan import BAD_IDS_CODE, EP_SAVED_FOR_BACKWARD, SAVED_FOR_BACKW
 from .checks import InputError
 from .library import Launcher, open_library
 
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
+          "e4m3": torch.float8_e4m3fn}
 LIB_NAME = "libmokgen.so"
 
 
@@ -81,6 +82,9 @@ def forward_entry(plan: dict, tokens: int) -> str:
     plan["fused_max_tokens"] where the Plan has both, else the one it has."""
     if "forward_fused" in plan["steps"] and tokens <= plan.get("fused_max_tokens", 0):
         return "forward_fused"
+    if "forward" not in plan["steps"]:
+        raise NotImplementedError(f"{plan['variant']}: the layer's forward is not generated yet (the Plan has "
+                                  f"{', '.join(plan['steps'])}: see docs/fp8.md)")
     return "forward"
 
 

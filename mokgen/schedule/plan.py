@@ -241,9 +241,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         raise PlanError(f"{spec.variant} spans {spec.nodes} nodes: its kernels are the node-local layer's "
                         f"({node_local_spec(spec).variant}); `mokgen build` builds that and writes the levels "
                         "(mokgen/schedule/multinode.py)")
-    if spec.dtype == "fp8":
-        raise PlanError(f"{spec.variant}: the FP8 kernels are not generated yet; mokgen.fp8 quantises the experts and "
-                        "emulates the layer they will compute (docs/fp8.md)")
+    if spec.dtype == "fp8":  # generated kernel by kernel (schedule/fp8.py)
+        from .fp8 import fp8_plan
+
+        return fp8_plan(spec, target, overrides)
     check_overrides(overrides or {})
     ep = spec.world_size > 1
     if ep:

@@ -1,0 +1,58 @@
+"""The Plan of an FP8 layer (dtype "fp8": e4m3 with fp32 block scales, docs/fp8.md).
+
+The FP8 layer is generated kernel by kernel. This Plan holds the kernels that exist so far,
+each as an entry point of its own for the golden tests (Variant.run), and no forward yet:
+
+    gemm_down_fp8   y = blockwise(h_q, h_scales) @ blockwise(w_down)^T per expert, the down
+                    projection over dispatch's row layout (templates/grouped_gemm_fp8.py.j2)
+
+The runtime refuses the layer's forward until every kernel of it is here.
+"""
+from __future__ import annotations
+
+from .. import __version__
+from ..ir import MoESpec
+from .target import Target
+
+FP8_BLOCK = 128
+FP8_TILE_M = 128  # two consumer warpgroups of 64 rows
+FP8_STAGES = 6  # 32 KB per stage (128 x 128 e4m3 of A and of B): 192 KB
+FP8_PRODUCER_REGS = 40
+FP8_CONSUMER_REGS = 232  # the sum and the block accumulator: 2 x 64 fp32 per thread at N = 128
+
+
+def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
+    from .plan import PLAN_FORMAT, KernelArg, KernelPlan, Plan, PlanError
+
+    if spec.world_size > 1:
+        raise PlanError(f"{spec.variant}: FP8 over several GPUs is not generated yet (one GPU first)")
+    if spec.shared_intermediate:
+        raise PlanError(f"{spec.variant}: FP8 with a shared expert is not generated yet")
+    E, H, I = spec.experts, spec.hidden, spec.intermediate
+    threads = 128 * (1 + 2)
+    down = KernelPlan(
+        name="gemm_down_fp8", stage="gemm_down", module="gemm_down_fp8", template="grouped_gemm_fp8.py.j2",
+        entry="main",
+        params=dict(name="gemm_down_fp8", class_name="GemmDownFP8", doc="FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
+                    tile_m=FP8_TILE_M, mma_warpgroups=2, stages=FP8_STAGES, n_size=H, k_size=I, groups=E,
+                    threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
+                    consumer_regs=FP8_CONSUMER_REGS),
+        args=[KernelArg("a", "h_q", "e4m3", ["M", I]),
+              # (row-major [M, K/128]: a tensor's dynamic extent may only be its first, as the
+              # launch shim passes no strides)
+              KernelArg("a_scales", "h_scales", "f32", ["M", I // FP8_BLOCK]),
+              KernelArg("b", "w_down_q", "e4m3", [E, H, I]),
+              KernelArg("b_scales", "w_down_scales", "f32", [E, H // FP8_BLOCK, I // FP8_BLOCK]),
+              KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+              KernelArg("c", "y", "bf16", ["M", H])],
+        grid=f"(min({target.sms}, MT * {H // FP8_BLOCK}),)", block=threads,
+        warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
+                    "warpgroups 1-2: QGMMA per 128-wide K block, then its promotion times the row and block scales"],
+        smem_bytes=FP8_STAGES * 2 * FP8_TILE_M * FP8_BLOCK)
+    return Plan(
+        format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
+        target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order="fixed: K blocks in order",
+        buffers=[], kernels=[down], steps={"gemm_down_fp8": ["gemm_down_fp8"]}, flops="0",
+        decisions=["dtype fp8: the layer is generated kernel by kernel; this Plan holds the down projection only, "
+                   "run by its golden test (docs/fp8.md)"],
+        overrides=dict(overrides or {}))

@@ -1,0 +1,78 @@
+"""Golden tests of the FP8 kernels on the GPU (docs/fp8.md): each against its float64
+emulation from the same quantised operands (mokgen/fp8.py), the emulation rounded to bf16 as
+the kernel rounds its output. They need the FP8 variants built (benchmarks/build_gpu_variants.py)."""
+import pytest
+
+from mokgen.ir import MoESpec
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+FP8_SHAPES = [(8, 2, 1024, 512), (64, 8, 2048, 1024)]
+
+
+def fp8_variant(shape):
+    import mokgen
+    from mokgen.runtime import variants_root
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    E, K, H, I = shape
+    spec = MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8")
+    if not (variants_root() / spec.variant / "build").is_dir():
+        pytest.skip(f"{spec.variant} is not built (benchmarks/build_gpu_variants.py)")
+    return mokgen.load(spec)
+
+
+def row_layout(ids, E, tile_m=128):
+    """dispatch's layout of the pairs: each expert's rows in (token, slot) order from a
+    multiple of tile_m; (rows, tile_expert, expert of each used row or -1)."""
+    counts = torch.bincount(ids[ids >= 0].long().flatten(), minlength=E).tolist()
+    tiles = [(c + tile_m - 1) // tile_m for c in counts]
+    tile_expert = [e for e in range(E) for _ in range(tiles[e])]
+    rows = sum(tiles) * tile_m
+    row_expert = torch.full((rows,), -1, dtype=torch.long)
+    start = 0
+    for e in range(E):
+        row_expert[start:start + counts[e]] = e
+        start += tiles[e] * tile_m
+    # one unused M tile past the used ones (-1), as dispatch leaves them; its rows are allocated
+    row_expert = torch.cat([row_expert, torch.full((tile_m,), -1, dtype=torch.long)])
+    return rows + tile_m, torch.tensor(tile_expert + [-1], dtype=torch.int32), row_expert
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
+@pytest.mark.parametrize("T", [1, 1000, 4096])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+def test_down_gemm_fp8_golden(shape, T, routing):
+    from mokgen.fp8 import EMULATION_TOLERANCE, FP8Weights, _blockwise_matmul, quantize_blocks, quantize_rows
+    from mokgen.reference import rel_error
+    from mokgen.verify import make_inputs
+
+    v = fp8_variant(shape)
+    E, K, H, I = shape
+    g = torch.Generator(device="cuda").manual_seed(T * 7 + len(routing))
+    bf16_spec = MoESpec(experts=E, topk=K, hidden=H, intermediate=I)
+    _, ids, _, _, _, wd, _ = make_inputs(bf16_spec, T, routing, g)
+    rows, tile_expert, row_expert = row_layout(ids.cpu(), E)
+    h = torch.randn(rows, I, device="cuda", generator=g)
+    h[row_expert.cuda() < 0] = 0.0  # padding rows hold zeros
+    h_q, h_s = quantize_rows(h)
+    w_q, w_s = quantize_blocks(wd)
+    y = torch.full((rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    v.run("gemm_down_fp8", dict(h_q=h_q, h_scales=h_s, w_down_q=w_q, w_down_scales=w_s,
+                                tile_expert=tile_expert.cuda(), y=y), torch.device("cuda"))
+    torch.cuda.synchronize()
+    ref = torch.zeros(rows, H, dtype=torch.float64, device="cuda")
+    for e in range(E):
+        r = (row_expert == e).nonzero().flatten().cuda()
+        if r.numel():
+            tiles = torch.arange(r[0].item() // 128 * 128, (r[-1].item() // 128 + 1) * 128, device="cuda")
+            ref[tiles] = _blockwise_matmul(h_q[tiles], h_s[tiles], FP8Weights(w_q[e], w_s[e]))
+    used = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    for m, e in enumerate(tile_expert.tolist()):
+        if e >= 0:
+            used[m * 128:(m + 1) * 128] = True
+    assert not torch.isnan(y[used].float()).any(), "unwritten rows of used M tiles"
+    err = rel_error(y[used], ref[used].to(torch.bfloat16).double())
+    assert err <= EMULATION_TOLERANCE, f"relative error {err:.2e} against the bf16-rounded emulation"
