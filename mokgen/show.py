@@ -27,11 +27,16 @@ def format_plan(plan: dict) -> str:
           f"{q['flag']}" for q in plan["queues"]),
         f"reduction {plan['reduction_order']}",
         "",
-        "kernels (launch order: " + " -> ".join(plan["steps"]["forward"]) + "; route: "
-        + " -> ".join(plan["steps"]["route"])
-        + ("; its backward: " + " -> ".join(plan["steps"]["route_backward"]) if "route_backward" in plan["steps"] else "")
-        + ")",
     ]
+    if "forward" not in plan["steps"]:  # a layer generated kernel by kernel (dtype fp8): its entry points
+        out.append("kernels (the layer's forward is not generated yet; entry points: "
+                   + "; ".join(f"{e}: {' -> '.join(ks)}" for e, ks in plan["steps"].items()) + ")")
+    else:
+        out.append("kernels (launch order: " + " -> ".join(plan["steps"]["forward"]) + "; route: "
+                   + " -> ".join(plan["steps"]["route"])
+                   + ("; its backward: " + " -> ".join(plan["steps"]["route_backward"])
+                      if "route_backward" in plan["steps"] else "")
+                   + ")")
     if plan.get("side_stream"):
         out.append("          on a second stream, beside the kernels after them: " + ", ".join(plan["side_stream"]))
     if "forward_fused" in plan["steps"]:
@@ -46,7 +51,7 @@ def format_plan(plan: dict) -> str:
             zeroed = plan.get("zeroed", {}).get(entry)
             out.append(f"          {what}: " + " -> ".join(plan["steps"][entry])
                        + (f" (the runtime zeroes {', '.join(zeroed)} first)" if zeroed else ""))
-    if "backward" not in plan["steps"]:
+    if "backward" not in plan["steps"] and "forward" in plan["steps"]:
         out.append("          " + backward_decision(plan))
     rows = []
     for k in plan["kernels"]:

@@ -100,3 +100,6 @@ def test_the_fp8_spec_plans_its_kernels_so_far_and_refuses_a_forward(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mokgen.cli", "build", "--dtype", "fp8", "--no-compile", "--out",
                         str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0 and (tmp_path / s.variant / "gemm_down_fp8.py").exists(), r.stderr
+    r = subprocess.run([sys.executable, "-m", "mokgen.cli", "show", str(tmp_path / s.variant)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "forward is not generated yet" in r.stdout and "128x128x128" in r.stdout, r.stderr

@@ -34,7 +34,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         name="gemm_down_fp8", stage="gemm_down", module="gemm_down_fp8", template="grouped_gemm_fp8.py.j2",
         entry="main",
         params=dict(name="gemm_down_fp8", class_name="GemmDownFP8", doc="FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
-                    tile_m=FP8_TILE_M, mma_warpgroups=2, stages=FP8_STAGES, n_size=H, k_size=I, groups=E,
+                    tile_m=FP8_TILE_M, tile_n=FP8_BLOCK, tile_k=FP8_BLOCK, mma_warpgroups=2, stages=FP8_STAGES, n_size=H, k_size=I, groups=E,
                     threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
                     consumer_regs=FP8_CONSUMER_REGS),
         args=[KernelArg("a", "h_q", "e4m3", ["M", I]),
