@@ -1,5 +1,7 @@
-"""The FP8 down GEMM (templates/grouped_gemm_fp8.py.j2) against the bf16 one on the same row
-layout, one run: CUDA events, warm-up, median; TFLOP/s over the routed rows.
+"""The FP8 GEMMs (templates/grouped_gemm_fp8.py.j2: gate/up with SwiGLU and h in e4m3, and
+down) against the bf16 ones on the same row layout, one run: CUDA events, warm-up, median;
+TFLOP/s over the routed rows. (The FP8 gate/up reads the rows of x already in dispatch's
+order and in e4m3; the bf16 one gathers them from x.)
 
     python benchmarks/fp8_gemm.py [--tokens 4096,16384] [--shape 64,8,2048,1024]
 """
@@ -13,7 +15,7 @@ from pathlib import Path
 import torch
 
 import mokgen
-from mokgen.fp8 import quantize_blocks, quantize_rows
+from mokgen.fp8 import interleave_gate_up, quantize_blocks, quantize_rows
 from mokgen.ir import MoESpec
 from mokgen.verify import make_inputs
 
@@ -48,7 +50,7 @@ def main():
     stream = torch.cuda.current_stream().cuda_stream
     for T in (int(t) for t in a.tokens.split(",")):
         g = torch.Generator(device="cuda").manual_seed(T)
-        _, ids, _, _, _, wd, _ = make_inputs(vb.spec, T, "uniform", g)
+        x, ids, _, wg, wu, wd, _ = make_inputs(vb.spec, T, "uniform", g)
         rows, tile_expert, row_expert = row_layout(ids.cpu(), E)
         h = torch.randn(rows, I, device="cuda", generator=g)
         h[row_expert.cuda() < 0] = 0.0
@@ -73,6 +75,28 @@ def main():
         print(f"E{E} K{K} H{H} I{I} T={T}: down GEMM fp8 {fp8_ms:.3f} ms ({fl / fp8_ms / 1e9:.0f} TFLOP/s)  "
               f"bf16 {bf16_ms:.3f} ms ({fl / bf16_ms / 1e9:.0f} TFLOP/s)  fp8 / bf16 speed {bf16_ms / fp8_ms:.2f}x",
               flush=True)
+        # gate/up
+        xr = torch.randn(rows, H, device="cuda", generator=g)
+        xr[row_expert.cuda() < 0] = 0.0
+        xq, xs = quantize_rows(xr)
+        w13q, w13s = quantize_blocks(interleave_gate_up(wg, wu))
+        hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device="cuda")
+        hs = torch.empty(rows, I // 128, device="cuda")
+        genv = dict(x_rows_q=xq, x_rows_scales=xs, w13_q=w13q, w13_scales=w13s, tile_expert=te, h_q=hq, h_scales=hs)
+        fp8_gu = timed(lambda: v8.run("gemm_gateup_fp8", genv, dev))
+        gateup = vb.launchers["gemm_gateup"]
+        tokens = torch.where(row_expert >= 0, torch.arange(rows) % max(T, 1), -1).to(torch.int32).cuda()
+        hb16 = torch.empty(rows, I, dtype=torch.bfloat16, device="cuda")
+
+        def bf16_gu():
+            counters.zero_()
+            gateup([x, tokens, wg, wu, te, counters, hb16], stream)
+
+        bf16_gu_ms = timed(bf16_gu)
+        fl2 = 2 * fl
+        print(f"E{E} K{K} H{H} I{I} T={T}: gate/up GEMM fp8 {fp8_gu:.3f} ms ({fl2 / fp8_gu / 1e9:.0f} TFLOP/s)  "
+              f"bf16 {bf16_gu_ms:.3f} ms ({fl2 / bf16_gu_ms / 1e9:.0f} TFLOP/s)  fp8 / bf16 speed "
+              f"{bf16_gu_ms / fp8_gu:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

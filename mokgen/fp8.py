@@ -110,16 +110,37 @@ class FP8Weights:
         return dequantize_blocks(self.values, self.scales, dtype)
 
 
+# w_gate and w_up are stored interleaved per this many rows (one 128-row block of the stored
+# matrix holds 64 gate columns and the same 64 up columns), so that one 128-wide GEMM tile
+# yields both inputs of 64 columns of SwiGLU (templates/grouped_gemm_fp8.py.j2, gate/up).
+INTERLEAVE = 64
+
+
+def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """[E, I, H] twice -> [E, 2I, H]: rows 128 j .. 128 j + 63 are w_gate's rows 64 j .., the next
+    64 the same rows of w_up."""
+    E, I, H = w_gate.shape
+    g = w_gate.reshape(E, I // INTERLEAVE, INTERLEAVE, H)
+    u = w_up.reshape(E, I // INTERLEAVE, INTERLEAVE, H)
+    return torch.stack([g, u], 2).reshape(E, 2 * I, H)
+
+
+def split_gate_up(a13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse along the last dimension: [..., 2I] (interleaved columns) -> gate, up [..., I]."""
+    *lead, two_i = a13.shape
+    v = a13.reshape(*lead, two_i // (2 * INTERLEAVE), 2, INTERLEAVE)
+    return v[..., 0, :].reshape(*lead, two_i // 2), v[..., 1, :].reshape(*lead, two_i // 2)
+
+
 @dataclass(frozen=True)
 class FP8Experts:
-    """The experts' three projections in FP8 (`quantize_experts`), with the transposed copies
-    of the backward: gate_t, up_t [E, H, I] (dx = da @ w_gate + db @ w_up contracts over I) and
-    down_t [E, I, H] (dh = dy @ w_down contracts over H)."""
-    gate: FP8Weights
-    up: FP8Weights
+    """The experts' projections in FP8 (`quantize_experts`): gate_up [E, 2I, H] (w_gate and
+    w_up interleaved per 64 rows, see INTERLEAVE) and down [E, H, I], with the transposed
+    copies of the backward: gate_up_t [E, H, 2I] (dx = [da | db] @ [w_gate; w_up], the same
+    interleaving of the I dimension) and down_t [E, I, H] (dh = dy @ w_down contracts over H)."""
+    gate_up: FP8Weights
     down: FP8Weights
-    gate_t: FP8Weights
-    up_t: FP8Weights
+    gate_up_t: FP8Weights
     down_t: FP8Weights
 
 
@@ -131,8 +152,9 @@ def quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     E, I, H = w_gate.shape
     if tuple(w_down.shape) != (E, H, I):
         raise FP8Error(f"w_down must be [E, H, I] = {[E, H, I]}, got {list(w_down.shape)}")
-    gate, up, down = (FP8Weights(*quantize_blocks(w)) for w in (w_gate, w_up, w_down))
-    return FP8Experts(gate, up, down, gate.t(), up.t(), down.t())
+    gate_up = FP8Weights(*quantize_blocks(interleave_gate_up(w_gate, w_up)))
+    down = FP8Weights(*quantize_blocks(w_down))
+    return FP8Experts(gate_up, down, gate_up.t(), down.t())
 
 
 def _blockwise_matmul(a_q, a_s, b: FP8Weights) -> torch.Tensor:
@@ -160,16 +182,20 @@ def moe_fp8_emulated(x, topk_ids, topk_weights, experts: FP8Experts) -> torch.Te
         return out
     xq, xs = quantize_rows(x)
     ids = topk_ids.long()
-    E = experts.gate.values.shape[0]
+    E = experts.gate_up.values.shape[0]
     for e in range(E):
         tok, slot = torch.where(ids == e)
         if tok.numel() == 0:
             continue
         pick = lambda p: FP8Weights(p.values[e], p.scales[e])  # noqa: E731
-        a = _blockwise_matmul(xq[tok], xs[tok], pick(experts.gate))
-        b = _blockwise_matmul(xq[tok], xs[tok], pick(experts.up))
-        h = a / (1.0 + torch.exp(-a)) * b
-        hq, hs = quantize_rows(h.float())  # the SwiGLU epilogue writes h in e4m3, from fp32
+        hq, hs = swiglu_quantized(_blockwise_matmul(xq[tok], xs[tok], pick(experts.gate_up)))
         y = _blockwise_matmul(hq, hs, pick(experts.down))
         out.index_add_(0, tok, y * topk_weights.double()[tok, slot, None])
     return out
+
+
+def swiglu_quantized(a13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate/up kernel's epilogue from its float64 products [rows, 2I] (interleaved): h =
+    silu(gate) * up, then h in e4m3 with 1 x 128 scales, quantised from fp32 as the kernel does."""
+    a, b = split_gate_up(a13)
+    return quantize_rows((a / (1.0 + torch.exp(-a)) * b).float())

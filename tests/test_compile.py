@@ -286,16 +286,20 @@ def test_exchange_compiles_for_larger_nvlink_domains(tmp_path, world):
     check_exchange_ptx(tmp_path / "b")
 
 
-def test_fp8_down_gemm_compiles_to_qgmma_without_spills(tmp_path):
-    """The FP8 grouped GEMM (templates/grouped_gemm_fp8.py.j2): e4m3 wgmma (QGMMA), the
-    promotion's two accumulators in registers (no local memory)."""
+def test_fp8_gemms_compile_to_qgmma_without_spills(tmp_path):
+    """The FP8 grouped GEMMs (templates/grouped_gemm_fp8.py.j2): e4m3 wgmma (QGMMA), the
+    promotion's accumulators in registers (no local memory); gate/up converts h to e4m3."""
     from mokgen.codegen import build
 
     path = build(MoESpec(experts=8, topk=2, hidden=1024, intermediate=512, dtype="fp8"), tmp_path, log=lambda m: None)
-    cubin = path / "build" / "gemm_down_fp8.cubin"
-    assert (path / "build" / "libmokgen.so").exists() and cubin.exists()
+    assert (path / "build" / "libmokgen.so").exists()
     tool = nvdisasm()
-    if tool:
-        sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
-        assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "UTMALDG" in sass
-        assert not any(op in sass for op in ("LDL", "STL")), "local-memory traffic (spills)"
+    for name in ("gemm_gateup_fp8", "gemm_down_fp8"):
+        cubin = path / "build" / f"{name}.cubin"
+        assert cubin.exists(), name
+        if tool:
+            sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
+            assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "UTMALDG" in sass, name
+            assert not any(op in sass for op in ("LDL", "STL")), f"{name}: local-memory traffic (spills)"
+            if name == "gemm_gateup_fp8":
+                assert "F2FP.SATFINITE.E4M3.F32" in sass, "h is not converted to e4m3"

@@ -41,10 +41,17 @@ def test_rows_quantise_per_128_with_the_block_max_at_448():
 def test_the_transposed_copies_are_the_same_blocks():
     from mokgen.fp8 import quantize_blocks, quantize_experts
 
+    from mokgen.fp8 import interleave_gate_up, split_gate_up
+
     wg, wu, wd = weights(3, 256, 384)
     ex = quantize_experts(wg, wu, wd)
-    assert ex.gate.scales.shape == (3, 2, 3) and ex.down.scales.shape == (3, 3, 2)
-    for t, w in ((ex.gate_t, wg), (ex.up_t, wu), (ex.down_t, wd)):
+    assert ex.gate_up.scales.shape == (3, 4, 3) and ex.down.scales.shape == (3, 3, 2)
+    w13 = interleave_gate_up(wg, wu)
+    assert torch.equal(w13[:, :64], wg[:, :64]) and torch.equal(w13[:, 64:128], wu[:, :64])
+    assert torch.equal(w13[:, 128:192], wg[:, 64:128])
+    g, u = split_gate_up(w13.transpose(1, 2))  # columns of a product with it come apart again
+    assert torch.equal(g, wg.transpose(1, 2)) and torch.equal(u, wu.transpose(1, 2))
+    for t, w in ((ex.gate_up_t, w13), (ex.down_t, wd)):
         q, s = quantize_blocks(w.transpose(1, 2).contiguous())  # quantising w^T afresh gives the same
         assert torch.equal(t.values.view(torch.uint8), q.view(torch.uint8)) and torch.equal(t.scales, s)
 
@@ -89,7 +96,7 @@ def test_the_fp8_spec_plans_its_kernels_so_far_and_refuses_a_forward(tmp_path):
     with pytest.raises(SpecError, match="multiple of 128"):
         MoESpec(experts=64, topk=8, hidden=2048, intermediate=960, dtype="fp8")
     plan = make_plan(s)
-    assert list(plan.steps) == ["gemm_down_fp8"]
+    assert list(plan.steps) == ["gemm_gateup_fp8", "gemm_down_fp8"]
     with pytest.raises(PlanError, match="one GPU first"):
         make_plan(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8", world_size=2,
                           topology="nvlink"))

@@ -3,6 +3,9 @@
 The FP8 layer is generated kernel by kernel. This Plan holds the kernels that exist so far,
 each as an entry point of its own for the golden tests (Variant.run), and no forward yet:
 
+    gemm_gateup_fp8 h_q, h_scales = q(silu(blockwise(x_rows) @ w_gate^T) * (... @ w_up^T)) per
+                    expert, x_rows the routed rows in dispatch's layout in e4m3, w_gate and
+                    w_up interleaved per 64 columns (templates/grouped_gemm_fp8.py.j2, gateup)
     gemm_down_fp8   y = blockwise(h_q, h_scales) @ blockwise(w_down)^T per expert, the down
                     projection over dispatch's row layout (templates/grouped_gemm_fp8.py.j2)
 
@@ -49,10 +52,32 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
                     "warpgroups 1-2: QGMMA per 128-wide K block, then its promotion times the row and block scales"],
         smem_bytes=FP8_STAGES * 2 * FP8_TILE_M * FP8_BLOCK)
+    gateup = KernelPlan(
+        name="gemm_gateup_fp8", stage="gemm_gateup", module="gemm_gateup_fp8", template="grouped_gemm_fp8.py.j2",
+        entry="main",
+        params=dict(name="gemm_gateup_fp8", class_name="GemmGateUpFP8", gateup=True,
+                    doc="FP8 gate/up projection with SwiGLU: h = silu(x @ w_gate^T) * (x @ w_up^T) per expert, "
+                        "blockwise scaled, written in e4m3 with 1 x 128 scales.",
+                    tile_m=FP8_TILE_M, tile_n=FP8_BLOCK, tile_k=FP8_BLOCK, mma_warpgroups=2, stages=FP8_STAGES,
+                    n_size=2 * I, k_size=H, groups=E, threads=threads, sms=target.sms,
+                    producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS),
+        args=[KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
+              KernelArg("a_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK]),
+              KernelArg("b", "w13_q", "e4m3", [E, 2 * I, H]),
+              KernelArg("b_scales", "w13_scales", "f32", [E, 2 * I // FP8_BLOCK, H // FP8_BLOCK]),
+              KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+              KernelArg("c", "h_q", "e4m3", ["M", I]),
+              KernelArg("c_scales", "h_scales", "f32", ["M", I // FP8_BLOCK])],
+        grid=f"(min({target.sms}, MT * {I // FP8_BLOCK}),)", block=threads,
+        warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
+                    "warpgroups 1-2: QGMMA per 128-wide K block and its promotion; per 1 x 128 block of h, two "
+                    "passes (gate and up interleaved per 64 columns), SwiGLU, the row's amax, h in e4m3"],
+        smem_bytes=FP8_STAGES * 2 * FP8_TILE_M * FP8_BLOCK + 4 * 32 * 256)
     return Plan(
         format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
         target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order="fixed: K blocks in order",
-        buffers=[], kernels=[down], steps={"gemm_down_fp8": ["gemm_down_fp8"]}, flops="0",
-        decisions=["dtype fp8: the layer is generated kernel by kernel; this Plan holds the down projection only, "
-                   "run by its golden test (docs/fp8.md)"],
+        buffers=[], kernels=[gateup, down], steps={"gemm_gateup_fp8": ["gemm_gateup_fp8"],
+                                                   "gemm_down_fp8": ["gemm_down_fp8"]}, flops="0",
+        decisions=["dtype fp8: the layer is generated kernel by kernel; this Plan holds the gate/up projection "
+                   "(with SwiGLU and h in e4m3) and the down projection, each run by its golden test (docs/fp8.md)"],
         overrides=dict(overrides or {}))
