@@ -288,7 +288,8 @@ def test_exchange_compiles_for_larger_nvlink_domains(tmp_path, world):
 
 def test_fp8_gemms_compile_to_qgmma_without_spills(tmp_path):
     """The FP8 grouped GEMMs (templates/grouped_gemm_fp8.py.j2): e4m3 wgmma (QGMMA), the
-    promotion's accumulators in registers (no local memory); gate/up converts h to e4m3."""
+    promotion's accumulators in registers (no local memory); gate/up converts h to e4m3, and so
+    does the rows' quantisation (templates/quantize_rows_fp8.py.j2)."""
     from mokgen.codegen import build
 
     path = build(MoESpec(experts=8, topk=2, hidden=1024, intermediate=512, dtype="fp8"), tmp_path, log=lambda m: None)
@@ -303,3 +304,7 @@ def test_fp8_gemms_compile_to_qgmma_without_spills(tmp_path):
             assert not any(op in sass for op in ("LDL", "STL")), f"{name}: local-memory traffic (spills)"
             if name == "gemm_gateup_fp8":
                 assert "F2FP.SATFINITE.E4M3.F32" in sass, "h is not converted to e4m3"
+    cubin = path / "build" / "quantize_rows_fp8.cubin"
+    if tool:
+        sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
+        assert "F2FP.SATFINITE.E4M3.F32" in sass and not any(op in sass for op in ("LDL", "STL"))

@@ -96,7 +96,7 @@ def test_the_fp8_spec_plans_its_kernels_so_far_and_refuses_a_forward(tmp_path):
     with pytest.raises(SpecError, match="multiple of 128"):
         MoESpec(experts=64, topk=8, hidden=2048, intermediate=960, dtype="fp8")
     plan = make_plan(s)
-    assert list(plan.steps) == ["gemm_gateup_fp8", "gemm_down_fp8"]
+    assert list(plan.steps) == ["quantize_rows_fp8", "gemm_gateup_fp8", "gemm_down_fp8"]
     with pytest.raises(PlanError, match="one GPU first"):
         make_plan(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8", world_size=2,
                           topology="nvlink"))

@@ -120,3 +120,43 @@ def test_gate_up_gemm_fp8_golden(shape, T, routing):
     assert not torch.isnan(got).any(), "unwritten h in used M tiles"
     err = rel_error(got, dequantize_rows(ref_q[used], ref_s[used]))
     assert err <= EMULATION_TOLERANCE, f"relative error {err:.2e} against the emulation"
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
+@pytest.mark.parametrize("T", [1, 1000, 4096])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+def test_quantize_rows_fp8_golden(shape, T, routing):
+    """The routed rows of x in dispatch's order, in e4m3 with 1 x 128 scales, as
+    mokgen.fp8.quantize_rows of those rows (zeros and scale 1 on padding rows): the scales within
+    an fp32 ulp, the values dequantised within 1e-3 (a division may round a value one step)."""
+    from mokgen.fp8 import quantize_rows
+    from mokgen.verify import make_inputs
+
+    v = fp8_variant(shape)
+    E, K, H, I = shape
+    g = torch.Generator(device="cuda").manual_seed(T * 13 + len(routing))
+    x, ids, _, _, _, _, _ = make_inputs(MoESpec(experts=E, topk=K, hidden=H, intermediate=I), T, routing, g)
+    rows, tile_expert, row_expert = row_layout(ids.cpu(), E)
+    # the rows' tokens: each expert's pairs in (token, slot) order, as dispatch places them
+    row_token = torch.full((rows,), -1, dtype=torch.int32)
+    for e in range(E):
+        tok = (ids.cpu() == e).nonzero()[:, 0].to(torch.int32)
+        start = (row_expert == e).nonzero()
+        if tok.numel():
+            row_token[start[0, 0]:start[0, 0] + tok.numel()] = tok
+    row_token = row_token.cuda()
+    xq = torch.full((rows, H), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    xs = torch.full((rows, H // 128), float("nan"), device="cuda")
+    v.run("quantize_rows_fp8", dict(x=x, row_token=row_token, tile_expert=tile_expert.cuda(), x_rows_q=xq,
+                                    x_rows_scales=xs), torch.device("cuda"))
+    torch.cuda.synchronize()
+    used = torch.repeat_interleave(tile_expert >= 0, 128)[:rows].cuda()
+    src = torch.where((row_token >= 0)[:, None], x[row_token.clamp(min=0).long()].float(), 0.0)
+    want_q, want_s = quantize_rows(src[used])
+    from mokgen.fp8 import EMULATION_TOLERANCE, dequantize_rows
+    from mokgen.reference import rel_error
+
+    assert not torch.isnan(xs[used]).any() and torch.allclose(xs[used], want_s, rtol=1e-6, atol=0), "scales"
+    got = dequantize_rows(xq[used], xs[used])
+    assert not torch.isnan(got).any(), "unwritten rows"
+    assert rel_error(got, dequantize_rows(want_q, want_s)) <= EMULATION_TOLERANCE

@@ -3,6 +3,8 @@
 The FP8 layer is generated kernel by kernel. This Plan holds the kernels that exist so far,
 each as an entry point of its own for the golden tests (Variant.run), and no forward yet:
 
+    quantize_rows_fp8  x_rows_q, x_rows_scales = the routed rows of x in dispatch's order, in
+                    e4m3 with 1 x 128 scales (templates/quantize_rows_fp8.py.j2)
     gemm_gateup_fp8 h_q, h_scales = q(silu(blockwise(x_rows) @ w_gate^T) * (... @ w_up^T)) per
                     expert, x_rows the routed rows in dispatch's layout in e4m3, w_gate and
                     w_up interleaved per 64 columns (templates/grouped_gemm_fp8.py.j2, gateup)
@@ -73,11 +75,24 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     "warpgroups 1-2: QGMMA per 128-wide K block and its promotion; per 1 x 128 block of h, two "
                     "passes (gate and up interleaved per 64 columns), SwiGLU, the row's amax, h in e4m3"],
         smem_bytes=FP8_STAGES * 2 * FP8_TILE_M * FP8_BLOCK + 4 * 32 * 256)
+    quant_threads = 256
+    quantize = KernelPlan(
+        name="quantize_rows_fp8", stage="send", module="quantize_rows_fp8", template="quantize_rows_fp8.py.j2",
+        entry="main",
+        params=dict(name="quantize_rows_fp8", hidden=H, threads=quant_threads, tile_m=FP8_TILE_M),
+        args=[KernelArg("x", "x", "bf16", ["T", H]),
+              KernelArg("row_token", "row_token", "i32", ["M"]),
+              KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+              KernelArg("x_rows_q", "x_rows_q", "e4m3", ["M", H]),
+              KernelArg("x_rows_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK])],
+        grid=f"(ceil(M/{quant_threads // 32}),)", block=quant_threads,
+        warp_roles=["each warp: one row of dispatch's layout (its token's x in 1 x 128 blocks: amax, scale, e4m3)"])
     return Plan(
         format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
         target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order="fixed: K blocks in order",
-        buffers=[], kernels=[gateup, down], steps={"gemm_gateup_fp8": ["gemm_gateup_fp8"],
-                                                   "gemm_down_fp8": ["gemm_down_fp8"]}, flops="0",
-        decisions=["dtype fp8: the layer is generated kernel by kernel; this Plan holds the gate/up projection "
-                   "(with SwiGLU and h in e4m3) and the down projection, each run by its golden test (docs/fp8.md)"],
+        buffers=[], kernels=[quantize, gateup, down],
+        steps={"quantize_rows_fp8": ["quantize_rows_fp8"], "gemm_gateup_fp8": ["gemm_gateup_fp8"],
+               "gemm_down_fp8": ["gemm_down_fp8"]}, flops="0",
+        decisions=["dtype fp8: the layer is generated kernel by kernel; this Plan holds the rows' quantisation, "
+                   "the gate/up projection (with SwiGLU and h in e4m3) and the down projection, each run by its golden test (docs/fp8.md)"],
         overrides=dict(overrides or {}))
