@@ -8,33 +8,19 @@ order and in e4m3; the bf16 one gathers them from x.)
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 import mokgen
+from mokgen.bench import time_ms as timed
 from mokgen.fp8 import interleave_gate_up, quantize_blocks, quantize_rows
 from mokgen.ir import MoESpec
 from mokgen.verify import make_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_fp8_gpu import row_layout  # noqa: E402
-
-
-def timed(fn, warm=5, iters=20) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():

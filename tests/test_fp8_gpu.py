@@ -24,6 +24,18 @@ def fp8_variant(shape):
     return mokgen.load(spec)
 
 
+def routed_case(shape, T, routing, seed):
+    """A golden case's variant, the layer's bf16 inputs (make_inputs) for this routing, dispatch's
+    row layout of its pairs, and a generator for more."""
+    from mokgen.verify import make_inputs
+
+    v = fp8_variant(shape)
+    E, K, H, I = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    inputs = make_inputs(MoESpec(experts=E, topk=K, hidden=H, intermediate=I), T, routing, g)
+    return v, inputs, row_layout(inputs[1].cpu(), E), g
+
+
 def row_layout(ids, E, tile_m=128):
     """dispatch's layout of the pairs: each expert's rows in (token, slot) order from a
     multiple of tile_m; (rows, tile_expert, expert of each used row or -1)."""
@@ -47,14 +59,10 @@ def row_layout(ids, E, tile_m=128):
 def test_down_gemm_fp8_golden(shape, T, routing):
     from mokgen.fp8 import EMULATION_TOLERANCE, FP8Weights, _blockwise_matmul, quantize_blocks, quantize_rows
     from mokgen.reference import rel_error
-    from mokgen.verify import make_inputs
 
-    v = fp8_variant(shape)
     E, K, H, I = shape
-    g = torch.Generator(device="cuda").manual_seed(T * 7 + len(routing))
-    bf16_spec = MoESpec(experts=E, topk=K, hidden=H, intermediate=I)
-    _, ids, _, _, _, wd, _ = make_inputs(bf16_spec, T, routing, g)
-    rows, tile_expert, row_expert = row_layout(ids.cpu(), E)
+    v, (_, ids, _, _, _, wd, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
+                                                                                  T * 7 + len(routing))
     h = torch.randn(rows, I, device="cuda", generator=g)
     h[row_expert.cuda() < 0] = 0.0  # padding rows hold zeros
     h_q, h_s = quantize_rows(h)
@@ -88,14 +96,10 @@ def test_gate_up_gemm_fp8_golden(shape, T, routing):
     from mokgen.fp8 import (EMULATION_TOLERANCE, FP8Weights, _blockwise_matmul, dequantize_rows, interleave_gate_up,
                             quantize_blocks, quantize_rows, swiglu_quantized)
     from mokgen.reference import rel_error
-    from mokgen.verify import make_inputs
 
-    v = fp8_variant(shape)
     E, K, H, I = shape
-    g = torch.Generator(device="cuda").manual_seed(T * 11 + len(routing))
-    bf16_spec = MoESpec(experts=E, topk=K, hidden=H, intermediate=I)
-    _, ids, _, wg, wu, _, _ = make_inputs(bf16_spec, T, routing, g)
-    rows, tile_expert, row_expert = row_layout(ids.cpu(), E)
+    v, (_, ids, _, wg, wu, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
+                                                                                   T * 11 + len(routing))
     x_rows = torch.randn(rows, H, device="cuda", generator=g)
     x_rows[row_expert.cuda() < 0] = 0.0  # padding rows: zeros (scale 1)
     xq, xs = quantize_rows(x_rows)
@@ -130,13 +134,10 @@ def test_quantize_rows_fp8_golden(shape, T, routing):
     mokgen.fp8.quantize_rows of those rows (zeros and scale 1 on padding rows): the scales within
     an fp32 ulp, the values dequantised within 1e-3 (a division may round a value one step)."""
     from mokgen.fp8 import quantize_rows
-    from mokgen.verify import make_inputs
 
-    v = fp8_variant(shape)
     E, K, H, I = shape
-    g = torch.Generator(device="cuda").manual_seed(T * 13 + len(routing))
-    x, ids, _, _, _, _, _ = make_inputs(MoESpec(experts=E, topk=K, hidden=H, intermediate=I), T, routing, g)
-    rows, tile_expert, row_expert = row_layout(ids.cpu(), E)
+    v, (x, ids, _, _, _, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
+                                                                                 T * 13 + len(routing))
     # the rows' tokens: each expert's pairs in (token, slot) order, as dispatch places them
     row_token = torch.full((rows,), -1, dtype=torch.int32)
     for e in range(E):
