@@ -1,5 +1,6 @@
 """The FP8 GEMMs (templates/grouped_gemm_fp8.py.j2: gate/up with SwiGLU and h in e4m3, and
-down) against the bf16 ones on the same row layout, one run: CUDA events, warm-up, median;
+down) against the bf16 ones on the same row layout, and the FP8 forward (mokgen.moe_fp8)
+against the bf16 one (mokgen.moe), one run: CUDA events, warm-up, median;
 TFLOP/s over the routed rows. (The FP8 gate/up reads the rows of x already in dispatch's
 order and in e4m3; the bf16 one gathers them from x.)
 
@@ -83,6 +84,18 @@ def main():
         print(f"E{E} K{K} H{H} I{I} T={T}: gate/up GEMM fp8 {fp8_gu:.3f} ms ({fl2 / fp8_gu / 1e9:.0f} TFLOP/s)  "
               f"bf16 {bf16_gu_ms:.3f} ms ({fl2 / bf16_gu_ms / 1e9:.0f} TFLOP/s)  fp8 / bf16 speed "
               f"{bf16_gu_ms / fp8_gu:.2f}x", flush=True)
+        # the layer: mokgen.moe_fp8 against mokgen.moe (bf16), the same routing
+        from mokgen.fp8 import quantize_experts
+
+        w = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
+        experts = quantize_experts(wg, wu, wd)
+        with torch.no_grad():
+            layer8 = timed(lambda: mokgen.moe_fp8(x, ids, w, experts, check_ids=False))
+            layer16 = timed(lambda: mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False))
+        fl3 = 3 * fl
+        print(f"E{E} K{K} H{H} I{I} T={T}: forward fp8 {layer8:.3f} ms ({fl3 / layer8 / 1e9:.0f} TFLOP/s)  "
+              f"bf16 {layer16:.3f} ms ({fl3 / layer16 / 1e9:.0f} TFLOP/s)  fp8 / bf16 speed {layer16 / layer8:.2f}x",
+              flush=True)
 
 
 if __name__ == "__main__":

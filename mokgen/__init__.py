@@ -4,7 +4,7 @@
     -> ahead-of-time compiled kernels -> torch ops (runtime)
 
 Public API: MoESpec, load, moe (differentiable), route, moe_routed (route + moe, one launch
-where it can), check_errors, MoE (an nn.Module).
+where it can), moe_fp8 (FP8 experts, forward), check_errors, MoE (an nn.Module).
 """
 __version__ = "0.1.0"
 
@@ -24,6 +24,14 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
 
     return _moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=ws_gate, ws_up=ws_up,
                 ws_down=ws_down, **kw)
+
+
+def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids=True):
+    """The layer with FP8 experts (mokgen.fp8.quantize_experts): e4m3 with block scales, bf16 out;
+    one GPU, forward only (see mokgen.runtime.moe_fp8)."""
+    from .runtime import moe_fp8 as _moe_fp8
+
+    return _moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids)
 
 
 def moe_routed(x, router_logits, topk, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,

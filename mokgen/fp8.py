@@ -17,7 +17,8 @@ maps to 448; an all-zero block gets scale 1. Values round to nearest even on the
 quantised operands: x quantised per 1 x 128, gate/up products summed per 128-wide K block,
 each block's partial sum times its two scales (the kernels' fp32 promotion, at least every
 128 of K, as in DeepGEMM), SwiGLU, the hidden activation quantised per 1 x 128, the down
-product likewise, the weighted sum over the slots. The golden tests compare the kernels with
+product likewise, y rounded to bf16 as the down GEMM stores it, the weighted sum over the
+slots. The golden tests compare the kernels with
 it (within 1e-3, the fp32 accumulation's order) and with the float64 reference of the bf16
 layer (FP8_TOLERANCE, what e4m3's 3 mantissa bits allow; docs/fp8.md).
 
@@ -189,7 +190,7 @@ def moe_fp8_emulated(x, topk_ids, topk_weights, experts: FP8Experts) -> torch.Te
             continue
         pick = lambda p: FP8Weights(p.values[e], p.scales[e])  # noqa: E731
         hq, hs = swiglu_quantized(_blockwise_matmul(xq[tok], xs[tok], pick(experts.gate_up)))
-        y = _blockwise_matmul(hq, hs, pick(experts.down))
+        y = _blockwise_matmul(hq, hs, pick(experts.down)).to(torch.bfloat16).double()  # (y is stored in bf16)
         out.index_add_(0, tok, y * topk_weights.double()[tok, slot, None])
     return out
 

@@ -32,8 +32,8 @@ def format_plan(plan: dict) -> str:
         out.append("kernels (the layer's forward is not generated yet; entry points: "
                    + "; ".join(f"{e}: {' -> '.join(ks)}" for e, ks in plan["steps"].items()) + ")")
     else:
-        out.append("kernels (launch order: " + " -> ".join(plan["steps"]["forward"]) + "; route: "
-                   + " -> ".join(plan["steps"]["route"])
+        out.append("kernels (launch order: " + " -> ".join(plan["steps"]["forward"])
+                   + ("; route: " + " -> ".join(plan["steps"]["route"]) if "route" in plan["steps"] else "")
                    + ("; its backward: " + " -> ".join(plan["steps"]["route_backward"])
                       if "route_backward" in plan["steps"] else "")
                    + ")")
@@ -51,7 +51,9 @@ def format_plan(plan: dict) -> str:
             zeroed = plan.get("zeroed", {}).get(entry)
             out.append(f"          {what}: " + " -> ".join(plan["steps"][entry])
                        + (f" (the runtime zeroes {', '.join(zeroed)} first)" if zeroed else ""))
-    if "backward" not in plan["steps"] and "forward" in plan["steps"]:
+    if plan["spec"].get("dtype") == "fp8":
+        out.append("          no backward yet (FP8: docs/fp8.md)")
+    elif "backward" not in plan["steps"] and "forward" in plan["steps"]:
         out.append("          " + backward_decision(plan))
     rows = []
     for k in plan["kernels"]:

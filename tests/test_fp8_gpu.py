@@ -161,3 +161,29 @@ def test_quantize_rows_fp8_golden(shape, T, routing):
     got = dequantize_rows(xq[used], xs[used])
     assert not torch.isnan(got).any(), "unwritten rows"
     assert rel_error(got, dequantize_rows(want_q, want_s)) <= EMULATION_TOLERANCE
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
+@pytest.mark.parametrize("T", [1, 7, 1000, 4096])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+def test_fp8_forward_golden(shape, T, routing):
+    """mokgen.moe_fp8, the whole FP8 forward (dispatch, the rows in e4m3, gate/up, down,
+    combine), poisoned workspace and output: against the float64 emulation from the same
+    quantised operands within 1e-3, and against the bf16 layer's float64 reference within the
+    FP8 tolerance."""
+    import mokgen
+    from mokgen.fp8 import EMULATION_TOLERANCE, FP8_TOLERANCE, moe_fp8_emulated, quantize_experts
+    from mokgen.reference import moe_reference, rel_error
+
+    v, (x, ids, w, wg, wu, wd, _), _, _ = routed_case(shape, T, routing, T * 17 + len(routing))
+    experts = quantize_experts(wg, wu, wd)
+    v.poison = True
+    try:
+        out = mokgen.moe_fp8(x, ids, w, experts)
+    finally:
+        v.poison = False
+    mokgen.check_errors()
+    assert not torch.isnan(out.float()).any(), "unwritten output rows"
+    err = rel_error(out, moe_fp8_emulated(x, ids, w, experts).to(torch.bfloat16).double())
+    assert err <= EMULATION_TOLERANCE, f"relative error {err:.2e} against the emulation"
+    assert rel_error(out, moe_reference(x, ids, w, wg, wu, wd)) <= FP8_TOLERANCE

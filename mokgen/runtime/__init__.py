@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..ir import MoESpec
-from .checks import InputError, check_ids_in_range, check_moe_inputs
+from .checks import InputError, check_ids_in_range, check_moe_inputs, check_tensor
 from .library import LaunchError
 from .peers import RendezvousTimeout
 from .variant import KernelTimeout, Variant, VariantNotBuilt
@@ -175,6 +175,56 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
 
+def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True):
+    """The layer with FP8 experts (docs/fp8.md): experts = mokgen.fp8.quantize_experts(w_gate,
+    w_up, w_down); x bf16 is quantised per 1 x 128 block of each routed row inside the layer,
+    h likewise in the gate/up GEMM's epilogue; bf16 out. One GPU, forward only, no shared
+    expert. Checks as mokgen.moe (ids in [0, E) or -1)."""
+    from ..fp8 import BLOCK, FP8Experts
+
+    if not isinstance(experts, FP8Experts):
+        raise InputError(f"experts must be mokgen.fp8.FP8Experts (from mokgen.fp8.quantize_experts), got "
+                         f"{type(experts).__name__}")
+    if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
+        topk_ids = topk_ids.to(torch.int32)
+    gu, down = experts.gate_up, experts.down
+    if gu.values.dim() != 3 or down.values.dim() != 3:
+        raise InputError("experts' gate_up must be [E, 2I, H] and down [E, H, I]")
+    E, two_i, H = gu.values.shape
+    I = two_i // 2
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_cuda:
+        raise InputError(f"x must be a 2-d CUDA tensor [T, {H}], got "
+                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_tensor("x", x, torch.bfloat16, (None, H), x.device)
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise InputError(f"topk_ids must be 2-d [T, K], got {getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
+    check_tensor("topk_ids", topk_ids, torch.int32, (x.shape[0], topk_ids.shape[1]), x.device)
+    check_tensor("topk_weights", topk_weights, torch.float32, (x.shape[0], topk_ids.shape[1]), x.device)
+    for name, w, shape in (("gate_up", gu, (E, 2 * I, H)), ("down", down, (E, H, I))):
+        if w.values.dtype != torch.float8_e4m3fn or tuple(w.values.shape) != shape or not w.values.is_contiguous():
+            raise InputError(f"experts.{name} must be contiguous e4m3 {list(shape)}, got {w.values.dtype} "
+                             f"{list(w.values.shape)}")
+        want = (shape[0], shape[1] // BLOCK, shape[2] // BLOCK)
+        if w.scales.dtype != torch.float32 or tuple(w.scales.shape) != want or not w.scales.is_contiguous():
+            raise InputError(f"experts.{name} scales must be contiguous fp32 {list(want)}, got {w.scales.dtype} "
+                             f"{list(w.scales.shape)}")
+        if w.values.device != x.device or w.scales.device != x.device:
+            raise InputError(f"experts.{name} is on {w.values.device}, x is on {x.device}: all inputs must be on one GPU")
+    if _needs_grad(x, topk_weights):
+        raise NotImplementedError("the FP8 layer has no backward yet: call it under torch.no_grad()")
+    K = topk_ids.shape[1]
+    try:
+        v = _find_built(dict(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8", world_size=1)) or \
+            load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8"))
+    except Exception as e:
+        if e.__class__.__name__ == "SpecError":
+            raise InputError(f"these shapes cannot be generated in fp8: {e}") from None
+        raise
+    if check_ids:
+        check_ids_in_range(topk_ids, E, x)
+    return v.forward_fp8(x, topk_ids, topk_weights, experts)
+
+
 def _needs_grad(*params) -> bool:
     """Whether autograd will ask for gradients of this call."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
@@ -316,4 +366,4 @@ def check_errors() -> None:
 
 
 __all__ = ["InputError", "KernelTimeout", "LaunchError", "RendezvousTimeout", "Variant", "VariantNotBuilt",
-           "check_errors", "load", "moe", "moe_routed", "route", "find_variant", "release_peer_workspaces"]
+           "check_errors", "load", "moe", "moe_fp8", "moe_routed", "route", "find_variant", "release_peer_workspaces"]

@@ -284,6 +284,9 @@ class Variant:
         tokens = x.shape[0]
         if out is None:
             out = torch.empty_like(x)
+        if self.spec.dtype == "fp8":
+            raise InputError(f"{self.name} is an FP8 layer: call mokgen.moe_fp8 with the experts from "
+                             "mokgen.fp8.quantize_experts")
         if self.expert_parallel and peers is None:
             raise InputError(f"{self.name} is expert parallel: call it through mokgen.moe(..., group=...)")
         if tokens == 0 and not self.expert_parallel:  # (a rank without tokens still serves its peers)
@@ -308,6 +311,24 @@ class Variant:
             self.run(entry, env, x.device, skip=self._token_grids if tokens == 0 else ())
             self._record_status(env)
         return env
+
+    def forward_fp8(self, x, topk_ids, topk_weights, experts, out=None):
+        """The FP8 layer's forward (dtype fp8): experts are mokgen.fp8.FP8Experts (no checks here:
+        mokgen.moe_fp8 checks)."""
+        tokens = x.shape[0]
+        if out is None:
+            out = torch.empty_like(x)
+        if tokens == 0:
+            return out
+        self._check_status(wait=False)
+        with torch.cuda.device(x.device):
+            env = self._workspace(tokens, x.device, "forward")
+            env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out,
+                       w13_q=experts.gate_up.values, w13_scales=experts.gate_up.scales,
+                       w_down_q=experts.down.values, w_down_scales=experts.down.scales)
+            self.run("forward", env, x.device)
+            self._record_status(env)
+        return out
 
     @property
     def has_backward(self) -> bool:

@@ -1,7 +1,8 @@
 """The Plan of an FP8 layer (dtype "fp8": e4m3 with fp32 block scales, docs/fp8.md).
 
-The FP8 layer is generated kernel by kernel. This Plan holds the kernels that exist so far,
-each as an entry point of its own for the golden tests (Variant.run), and no forward yet:
+The FP8 layer is generated kernel by kernel. This Plan holds its kernels, each also an entry
+point of its own for the golden tests (Variant.run), and the forward that chains them with the
+bf16 layer's dispatch and combine (forward only; no backward yet):
 
     quantize_rows_fp8  x_rows_q, x_rows_scales = the routed rows of x in dispatch's order, in
                     e4m3 with 1 x 128 scales (templates/quantize_rows_fp8.py.j2)
@@ -11,7 +12,6 @@ each as an entry point of its own for the golden tests (Variant.run), and no for
     gemm_down_fp8   y = blockwise(h_q, h_scales) @ blockwise(w_down)^T per expert, the down
                     projection over dispatch's row layout (templates/grouped_gemm_fp8.py.j2)
 
-The runtime refuses the layer's forward until every kernel of it is here.
 """
 from __future__ import annotations
 
@@ -87,12 +87,30 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
               KernelArg("x_rows_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK])],
         grid=f"(ceil(M/{quant_threads // 32}),)", block=quant_threads,
         warp_roles=["each warp: one row of dispatch's layout (its token's x in 1 x 128 blocks: amax, scale, e4m3)"])
+    # The forward around them: the bf16 layer's dispatch (rows padded to the FP8 M tile) and
+    # combine, from the bf16 twin's Plan on the per-GEMM path, and the FP8 row buffers.
+    import dataclasses
+
+    from .plan import Buffer, make_plan
+
+    twin = make_plan(dataclasses.replace(spec, dtype="bf16"), target,
+                     {"row_tile": FP8_TILE_M, "fuse_gemms": False})
+    keep = ("dispatch_count", "dispatch_scatter", "combine")
+    kernels = [k for k in twin.kernels if k.name in keep]
+    bound = {a.tensor for k in kernels for a in k.args}
+    rows = next(b for b in twin.buffers if b.name == "y").shape[0]  # dispatch's padded rows, a function of T
+    buffers = [b for b in twin.buffers if b.name in bound] + [
+        Buffer("x_rows_q", "e4m3", [rows, str(H)]), Buffer("x_rows_scales", "f32", [rows, str(H // FP8_BLOCK)]),
+        Buffer("h_q", "e4m3", [rows, str(I)]), Buffer("h_scales", "f32", [rows, str(I // FP8_BLOCK)])]
+    forward = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "gemm_gateup_fp8", "gemm_down_fp8",
+               "combine"]
     return Plan(
         format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
-        target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order="fixed: K blocks in order",
-        buffers=[], kernels=[quantize, gateup, down],
+        target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
+        buffers=buffers, kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:],
         steps={"quantize_rows_fp8": ["quantize_rows_fp8"], "gemm_gateup_fp8": ["gemm_gateup_fp8"],
-               "gemm_down_fp8": ["gemm_down_fp8"]}, flops="0",
-        decisions=["dtype fp8: the layer is generated kernel by kernel; this Plan holds the rows' quantisation, "
-                   "the gate/up projection (with SwiGLU and h in e4m3) and the down projection, each run by its golden test (docs/fp8.md)"],
+               "gemm_down_fp8": ["gemm_down_fp8"], "forward": forward}, flops=twin.flops,
+        decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
+                   "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
+                   "combine; each FP8 kernel is also an entry point of its own for its golden test (docs/fp8.md)"],
         overrides=dict(overrides or {}))
