@@ -244,14 +244,15 @@ def profile(variant, tokens, routing, png, json_path):
 @main.command()
 @click.argument("variant")
 @click.option("--tokens", default="1,7,1000,4096", help="Comma-separated token counts.")
-@click.option("--routing", default="uniform,skewed", help="Comma-separated: uniform, skewed.")
+@click.option("--routing", default="uniform,skewed", help="Comma-separated: uniform, skewed, dropped (empty slots).")
 def verify(variant, tokens, routing):
     """Golden-test a built variant on the GPU against the float64 reference: the forward,
-    and every gradient of the backward where the variant has one."""
+    and every gradient of the backward where the variant has one (an FP8 variant: its forward
+    against the float64 emulation of the same quantised operands)."""
     import torch
 
     from . import load
-    from .verify import TOLERANCE, check_backward, check_forward
+    from .verify import TOLERANCE, check_backward, check_forward, check_forward_fp8
 
     toks = parse_tokens(tokens)
     if not torch.cuda.is_available():
@@ -260,9 +261,10 @@ def verify(variant, tokens, routing):
     bad = 0
     for r in routing.split(","):
         for T in toks:
-            res = check_forward(v, T, r.strip())
+            fp8 = v.spec.dtype == "fp8"  # (against its float64 emulation: mokgen/fp8.py)
+            res = (check_forward_fp8 if fp8 else check_forward)(v, T, r.strip())
             bad += not res.ok
-            click.echo(f"{v.name} T={T:<6d} {r:8s} forward  rel_err={res.rel_error:.3e} "
+            click.echo(f"{v.name} T={T:<6d} {r:8s} forward  rel_err={res.rel_error:.3e}{' vs emulation' if fp8 else ''} "
                        f"{'unwritten rows ' if res.unwritten else ''}{'ok' if res.ok else 'FAIL'}")
             if v.has_backward:
                 b = check_backward(v, T, r.strip())
@@ -271,7 +273,10 @@ def verify(variant, tokens, routing):
                 click.echo(f"{v.name} T={T:<6d} {r:8s} backward worst rel_err={b.rel_errors[worst]:.3e} ({worst}) "
                            f"{'unwritten: ' + ','.join(b.unwritten) + ' ' if b.unwritten else ''}"
                            f"{'ok' if b.ok else 'FAIL'}")
-    click.echo(f"{'all passed' if not bad else f'{bad} failed'} (tolerance {TOLERANCE})")
+    from .fp8 import EMULATION_TOLERANCE
+
+    tolerance = EMULATION_TOLERANCE if v.spec.dtype == "fp8" else TOLERANCE
+    click.echo(f"{'all passed' if not bad else f'{bad} failed'} (tolerance {tolerance})")
     sys.exit(1 if bad else 0)
 
 

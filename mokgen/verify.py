@@ -72,10 +72,11 @@ class CheckResult:
     routing: str
     rel_error: float
     unwritten: bool
+    tolerance: float = TOLERANCE
 
     @property
     def ok(self) -> bool:
-        return not self.unwritten and self.rel_error <= TOLERANCE
+        return not self.unwritten and self.rel_error <= self.tolerance
 
 
 def check_forward(variant, tokens: int, routing: str, gen=None) -> CheckResult:
@@ -84,6 +85,27 @@ def check_forward(variant, tokens: int, routing: str, gen=None) -> CheckResult:
     x, ids, w, wg, wu, wd, (sg, su, sd) = inputs
     ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd)
     return CheckResult(tokens, routing, rel_error(out, ref), bool(torch.isnan(out).any()))
+
+
+def check_forward_fp8(variant, tokens: int, routing: str, gen=None) -> CheckResult:
+    """An FP8 variant's forward (dtype fp8; poisoned workspace and output) against the float64
+    emulation from the same quantised operands, rounded to bf16 as the kernels round
+    (mokgen/fp8.py: EMULATION_TOLERANCE)."""
+    import dataclasses
+
+    from .fp8 import EMULATION_TOLERANCE, moe_fp8_emulated, quantize_experts
+
+    x, ids, w, wg, wu, wd, _ = make_inputs(dataclasses.replace(variant.spec, dtype="bf16"), tokens, routing, gen)
+    experts = quantize_experts(wg, wu, wd)
+    out = torch.full_like(x, float("nan"))
+    variant.poison = True
+    try:
+        variant.forward_fp8(x, ids, w, experts, out=out)
+    finally:
+        variant.poison = False
+    torch.cuda.synchronize()
+    emulated = moe_fp8_emulated(x, ids, w, experts).to(torch.bfloat16).double()
+    return CheckResult(tokens, routing, rel_error(out, emulated), bool(torch.isnan(out).any()), EMULATION_TOLERANCE)
 
 
 GRADIENTS = ("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down")
