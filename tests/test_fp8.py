@@ -113,3 +113,19 @@ def test_the_fp8_spec_plans_its_forward(tmp_path):
                        text=True)
     assert r.returncode == 0 and "quantize_rows_fp8 -> gemm_gateup_fp8" in r.stdout and "no backward yet" in r.stdout, \
         r.stderr
+
+
+def test_moe_fp8_refuses_bad_input_before_any_launch():
+    import mokgen
+    from mokgen.fp8 import quantize_experts
+    from mokgen.runtime import InputError
+
+    E, I, H = 4, 128, 256
+    wg, wu, wd = weights(E, I, H)
+    experts = quantize_experts(wg, wu, wd)
+    x = torch.randn(3, H).bfloat16()
+    ids, w = torch.zeros(3, 2, dtype=torch.int32), torch.full((3, 2), 0.5)
+    with pytest.raises(InputError, match="FP8Experts"):
+        mokgen.moe_fp8(x, ids, w, (wg, wu, wd))
+    with pytest.raises(InputError, match="CUDA"):
+        mokgen.moe_fp8(x, ids, w, experts)
