@@ -52,6 +52,14 @@ def timed(fn, warm=5, iters=20):
     return t.item()
 
 
+def finish(rank, path, rows):
+    """Rank 0 writes the rows as JSON where asked; every rank leaves the process group."""
+    if rank == 0 and path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
 def start_ranks(E, H, I):
     """Under torchrun: (rank, world, group, generator, this rank's E/world experts' bf16
     w_gate, w_up, w_down), the NCCL group made and the device set."""
@@ -282,10 +290,7 @@ def main():
                   f"  | NVLink {peer_bytes.item() / 1e6:.0f} MB each way: send {row['send_gbs']:.0f} GB/s, return "
                   f"{row['return_gbs']:.0f} GB/s" + ("" if "ep_return" in kt else " (over the down GEMM's launch, which "
                                                                                    "returns its rows itself)"), flush=True)
-    if rank == 0 and a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    dist.destroy_process_group()
+    finish(rank, a.json, rows)
 
 
 if __name__ == "__main__":

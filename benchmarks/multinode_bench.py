@@ -11,7 +11,6 @@ the performance model (docs/multinode.md) is checked with.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from mokgen.runtime.multinode import moe_multinode
 from mokgen.schedule import H200
 from mokgen.schedule.multinode import link_model, remote_nodes_per_token
 
-from ep_bench import start_ranks, timed  # (this directory; timed: the slowest rank's median of CUDA events)
+from ep_bench import finish, start_ranks, timed  # (this directory; timed: the slowest rank's median of CUDA events)
 
 
 def main():
@@ -113,10 +112,7 @@ def main():
                   f"{H200.grouped_gemm_tflops:.0f} TF/s)", flush=True)
             print(f"   the levels over 1 node x 2 GPUs (the node-local megakernel, other nodes' slots empty): {levels_one:.3f} ms "
                   f"({one / levels_one:.2f}x of the megakernel on the tokens)", flush=True)
-    if rank == 0 and a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    dist.destroy_process_group()
+    finish(rank, a.json, rows)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .ir.spec import E4M3_MAX, FP8_BLOCK as BLOCK  # (activations: 1 x BLOCK scale blocks; weights: BLOCK x BLOCK)
+
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0  # the largest finite e4m3 value
-BLOCK = 128  # activations: 1 x BLOCK scale blocks; weights: BLOCK x BLOCK
 # Relative error (||out - ref|| / ||ref||) of the FP8 layer against the float64 reference of
 # the bf16 layer that the golden tests allow. e4m3 keeps 3 mantissa bits: one rounding of a
 # Gaussian operand costs 2.6% rms (measured, per 1 x 128 and per 128 x 128 block alike).
@@ -114,7 +114,7 @@ class FP8Weights:
 # w_gate and w_up are stored interleaved per this many rows (one 128-row block of the stored
 # matrix holds 64 gate columns and the same 64 up columns), so that one 128-wide GEMM tile
 # yields both inputs of 64 columns of SwiGLU (templates/grouped_gemm_fp8.py.j2, gate/up).
-INTERLEAVE = 64
+INTERLEAVE = BLOCK // 2
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

@@ -28,15 +28,11 @@ def format_plan(plan: dict) -> str:
         f"reduction {plan['reduction_order']}",
         "",
     ]
-    if "forward" not in plan["steps"]:  # a layer generated kernel by kernel (dtype fp8): its entry points
-        out.append("kernels (the layer's forward is not generated yet; entry points: "
-                   + "; ".join(f"{e}: {' -> '.join(ks)}" for e, ks in plan["steps"].items()) + ")")
-    else:
-        out.append("kernels (launch order: " + " -> ".join(plan["steps"]["forward"])
-                   + ("; route: " + " -> ".join(plan["steps"]["route"]) if "route" in plan["steps"] else "")
-                   + ("; its backward: " + " -> ".join(plan["steps"]["route_backward"])
-                      if "route_backward" in plan["steps"] else "")
-                   + ")")
+    out.append("kernels (launch order: " + " -> ".join(plan["steps"]["forward"])
+               + ("; route: " + " -> ".join(plan["steps"]["route"]) if "route" in plan["steps"] else "")
+               + ("; its backward: " + " -> ".join(plan["steps"]["route_backward"])
+                  if "route_backward" in plan["steps"] else "")
+               + ")")
     if plan.get("side_stream"):
         out.append("          on a second stream, beside the kernels after them: " + ", ".join(plan["side_stream"]))
     if "forward_fused" in plan["steps"]:
@@ -53,7 +49,7 @@ def format_plan(plan: dict) -> str:
                        + (f" (the runtime zeroes {', '.join(zeroed)} first)" if zeroed else ""))
     if plan["spec"].get("dtype") == "fp8":
         out.append("          no backward yet (FP8: docs/fp8.md)")
-    elif "backward" not in plan["steps"] and "forward" in plan["steps"]:
+    elif "backward" not in plan["steps"]:
         out.append("          " + backward_decision(plan))
     rows = []
     for k in plan["kernels"]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 # BF16 outputs and gradients (mokgen/fp8.py, docs/fp8.md)
 DTYPES = ("bf16", "fp8")
 FP8_BLOCK = 128  # fp8: the scale block; hidden and intermediate sizes must be multiples of it
+E4M3_MAX = 448.0  # fp8: the largest finite e4m3 value (a block's amax maps to it)
 ARCHS = ("sm_90a",)
 TOPOLOGIES = ("single", "nvlink")
 # The grouped GEMMs load K in 64-element (128-byte) steps and the dispatch and

@@ -82,9 +82,6 @@ def forward_entry(plan: dict, tokens: int) -> str:
     plan["fused_max_tokens"] where the Plan has both, else the one it has."""
     if "forward_fused" in plan["steps"] and tokens <= plan.get("fused_max_tokens", 0):
         return "forward_fused"
-    if "forward" not in plan["steps"]:
-        raise NotImplementedError(f"{plan['variant']}: the layer's forward is not generated yet (the Plan has "
-                                  f"{', '.join(plan['steps'])}: see docs/fp8.md)")
     return "forward"
 
 

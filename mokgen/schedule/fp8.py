@@ -17,10 +17,16 @@ from __future__ import annotations
 
 from .. import __version__
 from ..ir import MoESpec
+from ..ir.spec import E4M3_MAX, FP8_BLOCK
 from .target import Target
 
-FP8_BLOCK = 128
 FP8_TILE_M = 128  # two consumer warpgroups of 64 rows
+# One weight scale block per tile and K stage (and, gate/up, one h scale block per two tiles):
+# templates/grouped_gemm_fp8.py.j2 applies one weight scale per tile and stage, so these
+# tiles are the scale block, not a tuning choice.
+FP8_TILE_N = FP8_BLOCK
+FP8_MMA_WARPGROUPS = 2
+FP8_WG_THREADS = 128
 FP8_STAGES = 6  # 32 KB per stage (128 x 128 e4m3 of A and of B): 192 KB
 FP8_PRODUCER_REGS = 40
 FP8_CONSUMER_REGS = 232  # the sum and the block accumulator: 2 x 64 fp32 per thread at N = 128
@@ -34,12 +40,16 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     if spec.shared_intermediate:
         raise PlanError(f"{spec.variant}: FP8 with a shared expert is not generated yet")
     E, H, I = spec.experts, spec.hidden, spec.intermediate
-    threads = 128 * (1 + 2)
+    threads = FP8_WG_THREADS * (1 + FP8_MMA_WARPGROUPS)  # a producer warpgroup, the consumers
+    stage_bytes = (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # e4m3 A and B tiles of one K block
+    # gate/up keeps the first pass's h (fp32) per consumer thread until the second pass
+    stash_bytes = 4 * FP8_TILE_M * FP8_TILE_N // 2
     down = KernelPlan(
         name="gemm_down_fp8", stage="gemm_down", module="gemm_down_fp8", template="grouped_gemm_fp8.py.j2",
         entry="main",
         params=dict(name="gemm_down_fp8", class_name="GemmDownFP8", doc="FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
-                    tile_m=FP8_TILE_M, tile_n=FP8_BLOCK, tile_k=FP8_BLOCK, mma_warpgroups=2, stages=FP8_STAGES, n_size=H, k_size=I, groups=E,
+                    tile_m=FP8_TILE_M, tile_n=FP8_TILE_N, tile_k=FP8_BLOCK, scale_block=FP8_BLOCK,
+                    e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES, n_size=H, k_size=I, groups=E,
                     threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
                     consumer_regs=FP8_CONSUMER_REGS),
         args=[KernelArg("a", "h_q", "e4m3", ["M", I]),
@@ -53,14 +63,15 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         grid=f"(min({target.sms}, MT * {H // FP8_BLOCK}),)", block=threads,
         warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
                     "warpgroups 1-2: QGMMA per 128-wide K block, then its promotion times the row and block scales"],
-        smem_bytes=FP8_STAGES * 2 * FP8_TILE_M * FP8_BLOCK)
+        smem_bytes=FP8_STAGES * stage_bytes)
     gateup = KernelPlan(
         name="gemm_gateup_fp8", stage="gemm_gateup", module="gemm_gateup_fp8", template="grouped_gemm_fp8.py.j2",
         entry="main",
         params=dict(name="gemm_gateup_fp8", class_name="GemmGateUpFP8", gateup=True,
                     doc="FP8 gate/up projection with SwiGLU: h = silu(x @ w_gate^T) * (x @ w_up^T) per expert, "
                         "blockwise scaled, written in e4m3 with 1 x 128 scales.",
-                    tile_m=FP8_TILE_M, tile_n=FP8_BLOCK, tile_k=FP8_BLOCK, mma_warpgroups=2, stages=FP8_STAGES,
+                    tile_m=FP8_TILE_M, tile_n=FP8_TILE_N, tile_k=FP8_BLOCK, scale_block=FP8_BLOCK,
+                    e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES,
                     n_size=2 * I, k_size=H, groups=E, threads=threads, sms=target.sms,
                     producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS),
         args=[KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
@@ -74,12 +85,13 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
                     "warpgroups 1-2: QGMMA per 128-wide K block and its promotion; per 1 x 128 block of h, two "
                     "passes (gate and up interleaved per 64 columns), SwiGLU, the row's amax, h in e4m3"],
-        smem_bytes=FP8_STAGES * 2 * FP8_TILE_M * FP8_BLOCK + 4 * 32 * 256)
+        smem_bytes=FP8_STAGES * stage_bytes + stash_bytes)
     quant_threads = 256
     quantize = KernelPlan(
         name="quantize_rows_fp8", stage="send", module="quantize_rows_fp8", template="quantize_rows_fp8.py.j2",
         entry="main",
-        params=dict(name="quantize_rows_fp8", hidden=H, threads=quant_threads, tile_m=FP8_TILE_M),
+        params=dict(name="quantize_rows_fp8", hidden=H, threads=quant_threads, tile_m=FP8_TILE_M,
+                    scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX),
         args=[KernelArg("x", "x", "bf16", ["T", H]),
               KernelArg("row_token", "row_token", "i32", ["M"]),
               KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
