@@ -92,8 +92,10 @@ def test_down_gemm_fp8_golden(shape, T, routing):
 def test_gate_up_gemm_fp8_golden(shape, T, routing):
     """h in e4m3 with its 1 x 128 scales, from the routed rows of x in e4m3 and the interleaved
     gate/up weights, against the emulation (float64 products, SwiGLU, quantised from fp32):
-    the scales within 1e-5, h dequantised within 1e-3 (rare one-step roundings apart)."""
-    from mokgen.fp8 import (EMULATION_TOLERANCE, FP8Weights, _blockwise_matmul, dequantize_rows, interleave_gate_up,
+    the scales within 2e-3 and h dequantised within REQUANTIZED_TOLERANCE (the tensor cores'
+    accumulation moves ~1% of h's codes one step), and h as close to the exact (unquantised,
+    float64) SwiGLU as the emulation's own h."""
+    from mokgen.fp8 import (REQUANTIZED_TOLERANCE, FP8Weights, split_gate_up, _blockwise_matmul, dequantize_rows, interleave_gate_up,
                             quantize_blocks, quantize_rows, swiglu_quantized)
     from mokgen.reference import rel_error
 
@@ -112,18 +114,28 @@ def test_gate_up_gemm_fp8_golden(shape, T, routing):
     used = torch.zeros(rows, dtype=torch.bool, device="cuda")
     ref_q = torch.zeros(rows, I, dtype=torch.float8_e4m3fn, device="cuda")
     ref_s = torch.ones(rows, I // 128, device="cuda")
+    exact = torch.zeros(rows, I, dtype=torch.float64, device="cuda")
     for m, e in enumerate(tile_expert.tolist()):
         if e >= 0:
             sl = slice(m * 128, (m + 1) * 128)
             used[sl] = True
-            ref_q[sl], ref_s[sl] = swiglu_quantized(_blockwise_matmul(xq[sl], xs[sl], FP8Weights(w_q[e], w_s[e])))
+            a13 = _blockwise_matmul(xq[sl], xs[sl], FP8Weights(w_q[e], w_s[e]))
+            ref_q[sl], ref_s[sl] = swiglu_quantized(a13)
+            ga, gb = split_gate_up(a13)
+            exact[sl] = ga / (1.0 + torch.exp(-ga)) * gb
     got_s = h_s[used]
     assert not torch.isnan(got_s).any(), "unwritten h scales in used M tiles"
-    assert torch.allclose(got_s, ref_s[used], rtol=1e-5, atol=0), "h scales"
+    # a scale is its block's amax / 448, so it carries the tensor cores' accumulation error
+    # (measured up to 1.1e-3; mokgen/fp8.py, REQUANTIZED_TOLERANCE)
+    scale_err = ((got_s - ref_s[used]).abs() / ref_s[used]).max().item()
+    assert scale_err <= 2e-3, f"h scales: largest relative difference {scale_err:.2e}"
     got = dequantize_rows(h_q[used], h_s[used])
     assert not torch.isnan(got).any(), "unwritten h in used M tiles"
     err = rel_error(got, dequantize_rows(ref_q[used], ref_s[used]))
-    assert err <= EMULATION_TOLERANCE, f"relative error {err:.2e} against the emulation"
+    assert err <= REQUANTIZED_TOLERANCE, f"relative error {err:.2e} against the emulation"
+    # (e4m3's own rounding of h: 2.26% both; the kernel's codes may not be systematically worse)
+    ours, emulated = rel_error(got, exact[used]), rel_error(dequantize_rows(ref_q[used], ref_s[used]), exact[used])
+    assert ours <= emulated * 1.01 + 1e-12, f"h: {ours:.4e} from the exact SwiGLU, the emulation {emulated:.4e}"
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
@@ -131,8 +143,8 @@ def test_gate_up_gemm_fp8_golden(shape, T, routing):
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
 def test_quantize_rows_fp8_golden(shape, T, routing):
     """The routed rows of x in dispatch's order, in e4m3 with 1 x 128 scales, as
-    mokgen.fp8.quantize_rows of those rows (zeros and scale 1 on padding rows): the scales within
-    an fp32 ulp, the values dequantised within 1e-3 (a division may round a value one step)."""
+    mokgen.fp8.quantize_rows of those rows (zeros and scale 1 on padding rows): bit for bit (both
+    divide in IEEE fp32)."""
     from mokgen.fp8 import quantize_rows
 
     E, K, H, I = shape
@@ -154,13 +166,9 @@ def test_quantize_rows_fp8_golden(shape, T, routing):
     used = torch.repeat_interleave(tile_expert >= 0, 128)[:rows].cuda()
     src = torch.where((row_token >= 0)[:, None], x[row_token.clamp(min=0).long()].float(), 0.0)
     want_q, want_s = quantize_rows(src[used])
-    from mokgen.fp8 import EMULATION_TOLERANCE, dequantize_rows
-    from mokgen.reference import rel_error
-
-    assert not torch.isnan(xs[used]).any() and torch.allclose(xs[used], want_s, rtol=1e-6, atol=0), "scales"
-    got = dequantize_rows(xq[used], xs[used])
-    assert not torch.isnan(got).any(), "unwritten rows"
-    assert rel_error(got, dequantize_rows(want_q, want_s)) <= EMULATION_TOLERANCE
+    assert not torch.isnan(xs[used]).any(), "unwritten scales"
+    assert torch.equal(xs[used], want_s), "scales"
+    assert torch.equal(xq[used].view(torch.uint8), want_q.view(torch.uint8)), "e4m3 values"
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
@@ -169,10 +177,10 @@ def test_quantize_rows_fp8_golden(shape, T, routing):
 def test_fp8_forward_golden(shape, T, routing):
     """mokgen.moe_fp8, the whole FP8 forward (dispatch, the rows in e4m3, gate/up, down,
     combine), poisoned workspace and output: against the float64 emulation from the same
-    quantised operands within 1e-3, and against the bf16 layer's float64 reference within the
+    quantised operands within REQUANTIZED_TOLERANCE (h is quantised again), and against the bf16 layer's float64 reference within the
     FP8 tolerance."""
     import mokgen
-    from mokgen.fp8 import EMULATION_TOLERANCE, FP8_TOLERANCE, moe_fp8_emulated, quantize_experts
+    from mokgen.fp8 import FP8_TOLERANCE, REQUANTIZED_TOLERANCE, moe_fp8_emulated, quantize_experts
     from mokgen.reference import moe_reference, rel_error
 
     v, (x, ids, w, wg, wu, wd, _), _, _ = routed_case(shape, T, routing, T * 17 + len(routing))
@@ -185,5 +193,5 @@ def test_fp8_forward_golden(shape, T, routing):
     mokgen.check_errors()
     assert not torch.isnan(out.float()).any(), "unwritten output rows"
     err = rel_error(out, moe_fp8_emulated(x, ids, w, experts).to(torch.bfloat16).double())
-    assert err <= EMULATION_TOLERANCE, f"relative error {err:.2e} against the emulation"
+    assert err <= REQUANTIZED_TOLERANCE, f"relative error {err:.2e} against the emulation"
     assert rel_error(out, moe_reference(x, ids, w, wg, wu, wd)) <= FP8_TOLERANCE
