@@ -94,10 +94,14 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not torch.isfinite(w).all():
         raise FP8Error("cannot quantise NaN or Inf values to e4m3")
     lead = w.shape[:-2]
-    blocks = w.float().reshape(*lead, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
-    scale = _scale(blocks.abs().amax(dim=(-3, -1)))
-    q = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q.reshape(w.shape), scale
+    flat = w.reshape(-1, N, K)
+    q = torch.empty(flat.shape, dtype=E4M3, device=w.device)
+    scale = torch.empty(flat.shape[0], N // BLOCK, K // BLOCK, device=w.device)
+    for i in range(flat.shape[0]):  # one matrix at a time: the fp32 copy of all of them may not fit
+        blocks = flat[i].float().reshape(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+        scale[i] = _scale(blocks.abs().amax(dim=(-3, -1)))
+        q[i] = (blocks / scale[i][:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).reshape(N, K)
+    return q.reshape(w.shape), scale.reshape(*lead, N // BLOCK, K // BLOCK)
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
