@@ -4,98 +4,148 @@ against the bf16 one (mokgen.moe), one run: CUDA events, warm-up, median;
 TFLOP/s over the routed rows. (The FP8 gate/up reads the rows of x already in dispatch's
 order and in e4m3; the bf16 one gathers them from x.)
 
-    python benchmarks/fp8_gemm.py [--tokens 4096,16384] [--shape 64,8,2048,1024]
+    python benchmarks/fp8_gemm.py [--tokens 4096,16384] [--shape 64,8,2048,1024] [--layer-only]
+                                  [--json fp8.json] [--fp8-dir DIR]
+
+--fp8-dir times the FP8 variant built in DIR (an experiment's overrides) instead of the default.
+
+The layer's line also times torch grouped_mm (bf16, mokgen/bench.py's baseline) in the same run.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 
 import mokgen
-from mokgen.bench import time_ms as timed
+from mokgen.bench import baseline_weights, gpu_state, time_ms as timed
+from mokgen.module import torch_grouped_mm
 from mokgen.fp8 import interleave_gate_up, quantize_blocks, quantize_rows
 from mokgen.ir import MoESpec
 from mokgen.verify import make_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_fp8_gpu import row_layout  # noqa: E402
+from test_fp8_gpu import row_layout, tile_counters  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--shape", default="64,8,2048,1024")
+    ap.add_argument("--layer-only", action="store_true", help="time only the layers, not the GEMMs alone")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--fp8-dir", type=Path, help="the FP8 variant's directory (default: the built variant)")
     a = ap.parse_args()
+    rows = []
     E, K, H, I = (int(s) for s in a.shape.split(","))
-    v8 = mokgen.load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8"))
+    v8 = mokgen.load(a.fp8_dir or MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8"))
     vb = mokgen.load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I))
-    down = vb.launchers["gemm_down"]
-    dev = torch.device("cuda")
-    stream = torch.cuda.current_stream().cuda_stream
     for T in (int(t) for t in a.tokens.split(",")):
         g = torch.Generator(device="cuda").manual_seed(T)
         x, ids, _, wg, wu, wd, _ = make_inputs(vb.spec, T, "uniform", g)
-        rows, tile_expert, row_expert = row_layout(ids.cpu(), E)
-        h = torch.randn(rows, I, device="cuda", generator=g)
-        h[row_expert.cuda() < 0] = 0.0
-        h_q, h_s = quantize_rows(h)
-        w_q, w_s = quantize_blocks(wd)
-        y8 = torch.empty(rows, H, dtype=torch.bfloat16, device="cuda")
-        env = dict(h_q=h_q, h_scales=h_s, w_down_q=w_q, w_down_scales=w_s,
-                   tile_expert=tile_expert.cuda(), y=y8)
-        fp8_ms = timed(lambda: v8.run("gemm_down_fp8", env, dev))
-        hb = h.bfloat16()
-        row_token = torch.where(row_expert >= 0, 0, -1).to(torch.int32).cuda()  # (valid rows; the A rows are h's)
-        counters = torch.zeros(down.args[4]["shape"][0], dtype=torch.int32, device="cuda")
-        yb = torch.empty(rows, H, dtype=torch.bfloat16, device="cuda")
-        te = tile_expert.cuda()
-
-        def bf16():
-            counters.zero_()  # (dispatch zeroes the tile scheduler's counter in a real call)
-            down([hb, row_token, wd, te, counters, yb], stream)
-
-        bf16_ms = timed(bf16)
         fl = 2.0 * T * K * H * I
-        print(f"E{E} K{K} H{H} I{I} T={T}: down GEMM fp8 {fp8_ms:.3f} ms ({fl / fp8_ms / 1e9:.0f} TFLOP/s)  "
-              f"bf16 {bf16_ms:.3f} ms ({fl / bf16_ms / 1e9:.0f} TFLOP/s)  fp8 / bf16 speed {bf16_ms / fp8_ms:.2f}x",
-              flush=True)
-        # gate/up
-        xr = torch.randn(rows, H, device="cuda", generator=g)
-        xr[row_expert.cuda() < 0] = 0.0
-        xq, xs = quantize_rows(xr)
-        w13q, w13s = quantize_blocks(interleave_gate_up(wg, wu))
-        hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device="cuda")
-        hs = torch.empty(rows, I // 128, device="cuda")
-        genv = dict(x_rows_q=xq, x_rows_scales=xs, w13_q=w13q, w13_scales=w13s, tile_expert=te, h_q=hq, h_scales=hs)
-        fp8_gu = timed(lambda: v8.run("gemm_gateup_fp8", genv, dev))
-        gateup = vb.launchers["gemm_gateup"]
-        tokens = torch.where(row_expert >= 0, torch.arange(rows) % max(T, 1), -1).to(torch.int32).cuda()
-        hb16 = torch.empty(rows, I, dtype=torch.bfloat16, device="cuda")
+        if not a.layer_only:
+            rows += gemms(v8, vb, T, x, ids, wg, wu, wd, g)
+        rows += layers(v8, T, x, ids, wg, wu, wd, g, 3 * fl)
+        torch.cuda.empty_cache()
+    if a.json:
+        a.json.write_text(json.dumps(dict(shape=[E, K, H, I], gpu=gpu_state(), rows=rows), indent=1))
 
-        def bf16_gu():
-            counters.zero_()
-            gateup([x, tokens, wg, wu, te, counters, hb16], stream)
 
-        bf16_gu_ms = timed(bf16_gu)
-        fl2 = 2 * fl
-        print(f"E{E} K{K} H{H} I{I} T={T}: gate/up GEMM fp8 {fp8_gu:.3f} ms ({fl2 / fp8_gu / 1e9:.0f} TFLOP/s)  "
-              f"bf16 {bf16_gu_ms:.3f} ms ({fl2 / bf16_gu_ms / 1e9:.0f} TFLOP/s)  fp8 / bf16 speed "
-              f"{bf16_gu_ms / fp8_gu:.2f}x", flush=True)
-        # the layer: mokgen.moe_fp8 against mokgen.moe (bf16), the same routing
-        from mokgen.fp8 import quantize_experts
+def gemms(v8, vb, T, x, ids, wg, wu, wd, g):
+    """The FP8 GEMMs alone against the bf16 ones on the same row layout."""
+    E, K, H, I = vb.spec.experts, vb.spec.topk, vb.spec.hidden, vb.spec.intermediate
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    down = vb.launchers["gemm_down"]
+    rows, tile_expert, row_expert = row_layout(ids.cpu(), E)
+    h = torch.randn(rows, I, device="cuda", generator=g)
+    h[row_expert.cuda() < 0] = 0.0
+    h_q, h_s = quantize_rows(h)
+    w_q, w_s = quantize_blocks(wd)
+    y8 = torch.empty(rows, H, dtype=torch.bfloat16, device="cuda")
+    env = dict(h_q=h_q, h_scales=h_s, w_down_q=w_q, w_down_scales=w_s,
+               tile_expert=tile_expert.cuda(), y=y8)
+    env["tile_counters"] = tile_counters(v8)
 
-        w = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
-        experts = quantize_experts(wg, wu, wd)
-        with torch.no_grad():
-            layer8 = timed(lambda: mokgen.moe_fp8(x, ids, w, experts, check_ids=False))
-            layer16 = timed(lambda: mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False))
-        fl3 = 3 * fl
-        print(f"E{E} K{K} H{H} I{I} T={T}: forward fp8 {layer8:.3f} ms ({fl3 / layer8 / 1e9:.0f} TFLOP/s)  "
-              f"bf16 {layer16:.3f} ms ({fl3 / layer16 / 1e9:.0f} TFLOP/s)  fp8 / bf16 speed {layer16 / layer8:.2f}x",
-              flush=True)
+    def fp8_down():
+        env["tile_counters"].zero_()  # (dispatch zeroes the unit counters in a real call)
+        v8.run("gemm_down_fp8", env, dev)
+
+    fp8_ms = timed(fp8_down)
+    hb = h.bfloat16()
+    row_token = torch.where(row_expert >= 0, 0, -1).to(torch.int32).cuda()  # (valid rows; the A rows are h's)
+    counters = torch.zeros(down.args[4]["shape"][0], dtype=torch.int32, device="cuda")
+    yb = torch.empty(rows, H, dtype=torch.bfloat16, device="cuda")
+    te = tile_expert.cuda()
+
+    def bf16():
+        counters.zero_()  # (dispatch zeroes the tile scheduler's counter in a real call)
+        down([hb, row_token, wd, te, counters, yb], stream)
+
+    bf16_ms = timed(bf16)
+    fl = 2.0 * T * K * H * I
+    print(f"E{E} K{K} H{H} I{I} T={T}: down GEMM fp8 {fp8_ms:.3f} ms ({fl / fp8_ms / 1e9:.0f} TFLOP/s)  "
+          f"bf16 {bf16_ms:.3f} ms ({fl / bf16_ms / 1e9:.0f} TFLOP/s)  fp8 / bf16 speed {bf16_ms / fp8_ms:.2f}x",
+          flush=True)
+    # gate/up
+    xr = torch.randn(rows, H, device="cuda", generator=g)
+    xr[row_expert.cuda() < 0] = 0.0
+    xq, xs = quantize_rows(xr)
+    w13q, w13s = quantize_blocks(interleave_gate_up(wg, wu))
+    hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device="cuda")
+    hs = torch.empty(rows, I // 128, device="cuda")
+    genv = dict(x_rows_q=xq, x_rows_scales=xs, w13_q=w13q, w13_scales=w13s, tile_expert=te, h_q=hq, h_scales=hs)
+    genv["tile_counters"] = env["tile_counters"]
+
+    def fp8_gateup():
+        genv["tile_counters"].zero_()
+        v8.run("gemm_gateup_fp8", genv, dev)
+
+    fp8_gu = timed(fp8_gateup)
+    gateup = vb.launchers["gemm_gateup"]
+    tokens = torch.where(row_expert >= 0, torch.arange(rows) % max(T, 1), -1).to(torch.int32).cuda()
+    hb16 = torch.empty(rows, I, dtype=torch.bfloat16, device="cuda")
+
+    def bf16_gu():
+        counters.zero_()
+        gateup([x, tokens, wg, wu, te, counters, hb16], stream)
+
+    bf16_gu_ms = timed(bf16_gu)
+    fl2 = 2 * fl
+    print(f"E{E} K{K} H{H} I{I} T={T}: gate/up GEMM fp8 {fp8_gu:.3f} ms ({fl2 / fp8_gu / 1e9:.0f} TFLOP/s)  "
+          f"bf16 {bf16_gu_ms:.3f} ms ({fl2 / bf16_gu_ms / 1e9:.0f} TFLOP/s)  fp8 / bf16 speed "
+          f"{bf16_gu_ms / fp8_gu:.2f}x", flush=True)
+    return [dict(T=T, impl=n, ms=ms, tflops=f / ms / 1e9) for n, ms, f in
+            (("gemm_down_fp8", fp8_ms, fl), ("gemm_down_bf16", bf16_ms, fl), ("gemm_gateup_fp8", fp8_gu, fl2),
+             ("gemm_gateup_bf16", bf16_gu_ms, fl2))]
+
+
+def layers(v8, T, x, ids, wg, wu, wd, g, flops):
+    """The layer: the FP8 variant's forward (mokgen.moe_fp8 without its input checks) against
+    mokgen.moe (bf16) and torch grouped_mm, the same routing."""
+    from mokgen.fp8 import quantize_experts
+
+    E, K = wg.shape[0], ids.shape[1]
+    H, I = x.shape[1], wg.shape[1]
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
+    experts = quantize_experts(wg, wu, wd)
+    w13, _ = baseline_weights(wg, wu)
+    with torch.no_grad():
+        ms = dict(mokgen_fp8=timed(lambda: v8.forward_fp8(x, ids, w, experts)),
+                  mokgen_bf16=timed(lambda: mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False)),
+                  torch_grouped_mm=timed(lambda: torch_grouped_mm(x, ids, w, w13, wd, I, None), 3, 10))
+    st = gpu_state()
+    print(f"E{E} K{K} H{H} I{I} T={T}: forward fp8 {ms['mokgen_fp8']:.3f} ms "
+          f"({flops / ms['mokgen_fp8'] / 1e9:.0f} TFLOP/s)  bf16 {ms['mokgen_bf16']:.3f} ms "
+          f"({flops / ms['mokgen_bf16'] / 1e9:.0f})  torch grouped_mm {ms['torch_grouped_mm']:.3f} ms  "
+          f"fp8 / bf16 speed {ms['mokgen_bf16'] / ms['mokgen_fp8']:.2f}x, fp8 / torch "
+          f"{ms['torch_grouped_mm'] / ms['mokgen_fp8']:.2f}x  ({st.get('sm_clock_mhz')} MHz, {st.get('power_w')} W)",
+          flush=True)
+    return [dict(T=T, impl=f"forward_{n}", ms=v, tflops=flops / v / 1e9) for n, v in ms.items()]
 
 
 if __name__ == "__main__":

@@ -129,3 +129,34 @@ def test_moe_fp8_refuses_bad_input_before_any_launch():
         mokgen.moe_fp8(x, ids, w, (wg, wu, wd))
     with pytest.raises(InputError, match="CUDA"):
         mokgen.moe_fp8(x, ids, w, experts)
+
+
+def test_the_fp8_plan_decides_its_k_loops_and_unit_counters_and_checks_overrides():
+    """The K loop is unrolled whole while a unit's K blocks fit the instruction cache (E64:
+    gate/up 2 x 16, down 8), a runtime loop past it (E256 H7168: gate/up 2 x 56); overrides
+    replace that and nothing else is accepted; each GEMM claims its units from its own slot of
+    the tile_counters that dispatch zeroes."""
+    from mokgen.schedule.fp8 import FP8_UNROLLED_K_BLOCKS
+
+    def gemms(spec, overrides=None):
+        plan = make_plan(spec, overrides=overrides)
+        return plan, {k.name: k for k in plan.kernels}
+
+    plan, k = gemms(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8"))
+    assert k["gemm_gateup_fp8"].params["k_unroll"] == 0 and k["gemm_down_fp8"].params["k_unroll"] == 0
+    slots = {k[n].params["sched_slot"] for n in ("gemm_gateup_fp8", "gemm_down_fp8")}
+    assert len(slots) == 2
+    counters = next(b for b in plan.buffers if b.name == "tile_counters")
+    assert all(0 <= s < int(counters.shape[0]) for s in slots)
+    assert all(any(a.tensor == "tile_counters" for a in k[n].args) for n in ("gemm_gateup_fp8", "gemm_down_fp8",
+                                                                             "dispatch_count"))
+    big = MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048, dtype="fp8")
+    plan, k = gemms(big)
+    assert 2 * 7168 // 128 > FP8_UNROLLED_K_BLOCKS and k["gemm_gateup_fp8"].params["k_unroll"] == 1
+    assert k["gemm_down_fp8"].params["k_unroll"] == 0 and any("K loop" in d for d in plan.decisions)
+    plan, k = gemms(big, {"gemm_gateup_fp8.k_unroll": 4})
+    assert k["gemm_gateup_fp8"].params["k_unroll"] == 4 and plan.overrides == {"gemm_gateup_fp8.k_unroll": 4}
+    with pytest.raises(PlanError, match="takes the overrides"):
+        make_plan(big, overrides={"row_tile": 64})
+    with pytest.raises(PlanError, match="integer >= 0"):
+        make_plan(big, overrides={"gemm_down_fp8.k_unroll": -1})

@@ -15,6 +15,8 @@ bf16 layer's dispatch and combine (forward only; no backward yet):
 """
 from __future__ import annotations
 
+import json
+
 from .. import __version__
 from ..ir import MoESpec
 from ..ir.spec import E4M3_MAX, FP8_BLOCK
@@ -30,6 +32,27 @@ FP8_WG_THREADS = 128
 FP8_STAGES = 6  # 32 KB per stage (128 x 128 e4m3 of A and of B): 192 KB
 FP8_PRODUCER_REGS = 40
 FP8_CONSUMER_REGS = 232  # the sum and the block accumulator: 2 x 64 fp32 per thread at N = 128
+# A GEMM's K loop is unrolled whole up to this many K blocks per unit of work (K blocks times
+# the gate/up's two passes); past it the code outgrows the instruction cache (E256 H7168: the
+# gate/up's 112 unrolled blocks ran at 395 TFLOP/s, a runtime loop at 573; the down GEMM's 16
+# at 665 unrolled, 583 in a runtime loop; docs/fp8.md).
+FP8_UNROLLED_K_BLOCKS = 32
+FP8_SCHED_STAGES = 2  # unit slots between a GEMM's scheduler and its consumers (claimed a unit ahead)
+# Overrides an fp8 Plan takes (experiments, autotuning): per GEMM, the K blocks unrolled per
+# runtime iteration of the mainloop (k_unroll: 0 = the whole loop unrolled; otherwise the
+# number of 2-block steps per iteration).
+FP8_OVERRIDES = tuple(f"{g}.k_unroll" for g in ("gemm_gateup_fp8", "gemm_down_fp8"))
+
+
+def k_unroll(name: str, k_blocks: int, passes: int, overrides: dict) -> tuple[int, str]:
+    """(k_unroll, why) for a GEMM's mainloop: 0 unrolls it whole, n > 0 unrolls n of its 2-block steps."""
+    key = f"{name}.k_unroll"
+    if key in overrides:
+        return int(overrides[key]), f"{name}: K loop unroll {overrides[key]} (override)"
+    if k_blocks * passes <= FP8_UNROLLED_K_BLOCKS:
+        return 0, f"{name}: K loop unrolled whole ({k_blocks * passes} K blocks per unit <= {FP8_UNROLLED_K_BLOCKS})"
+    return 1, (f"{name}: K loop in a runtime loop of 2-block steps ({k_blocks * passes} K blocks per unit > "
+               f"{FP8_UNROLLED_K_BLOCKS}: unrolled, the code outgrows the instruction cache)")
 
 
 def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
@@ -39,7 +62,31 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         raise PlanError(f"{spec.variant}: FP8 over several GPUs is not generated yet (one GPU first)")
     if spec.shared_intermediate:
         raise PlanError(f"{spec.variant}: FP8 with a shared expert is not generated yet")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(FP8_OVERRIDES))
+    if unknown:
+        raise PlanError(f"{spec.variant}: an fp8 Plan takes the overrides {', '.join(FP8_OVERRIDES)}; "
+                        f"not {', '.join(unknown)}")
+    for key in overrides:
+        if not isinstance(overrides[key], int) or isinstance(overrides[key], bool) or overrides[key] < 0:
+            raise PlanError(f"{spec.variant}: override {key} must be an integer >= 0, got {overrides[key]!r}")
     E, H, I = spec.experts, spec.hidden, spec.intermediate
+    # The forward around them (below): the bf16 layer's dispatch (rows padded to the FP8 M tile) and
+    # combine, from the bf16 twin's Plan on the per-GEMM path, and the FP8 row buffers.
+    import dataclasses
+
+    from .plan import Buffer, make_plan
+
+    twin = make_plan(dataclasses.replace(spec, dtype="bf16"), target,
+                     {"row_tile": FP8_TILE_M, "fuse_gemms": False})
+    # Each GEMM claims its units from the twin GEMM's slot of tile_counters (which the twin's
+    # dispatch zeroes every call).
+    twin_gemms = {k.name: k for k in twin.kernels}
+    n_counters = int(next(b for b in twin.buffers if b.name == "tile_counters").shape[0])
+    sched = {name: dict(sched_slot=twin_gemms[bf16].params["sched_slot"], sched_stages=FP8_SCHED_STAGES)
+             for name, bf16 in (("gemm_gateup_fp8", "gemm_gateup"), ("gemm_down_fp8", "gemm_down"))}
+    down_unroll, why_down = k_unroll("gemm_down_fp8", I // FP8_BLOCK, 1, overrides)
+    gateup_unroll, why_gateup = k_unroll("gemm_gateup_fp8", H // FP8_BLOCK, 2, overrides)
     threads = FP8_WG_THREADS * (1 + FP8_MMA_WARPGROUPS)  # a producer warpgroup, the consumers
     stage_bytes = (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # e4m3 A and B tiles of one K block
     # gate/up keeps the first pass's h (fp32) per consumer thread until the second pass
@@ -51,7 +98,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     tile_m=FP8_TILE_M, tile_n=FP8_TILE_N, tile_k=FP8_BLOCK, scale_block=FP8_BLOCK,
                     e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES, n_size=H, k_size=I, groups=E,
                     threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
-                    consumer_regs=FP8_CONSUMER_REGS),
+                    consumer_regs=FP8_CONSUMER_REGS, k_unroll=down_unroll, **sched["gemm_down_fp8"]),
         args=[KernelArg("a", "h_q", "e4m3", ["M", I]),
               # (row-major [M, K/128]: a tensor's dynamic extent may only be its first, as the
               # launch shim passes no strides)
@@ -59,6 +106,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
               KernelArg("b", "w_down_q", "e4m3", [E, H, I]),
               KernelArg("b_scales", "w_down_scales", "f32", [E, H // FP8_BLOCK, I // FP8_BLOCK]),
               KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+              KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
               KernelArg("c", "y", "bf16", ["M", H])],
         grid=f"(min({target.sms}, MT * {H // FP8_BLOCK}),)", block=threads,
         warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
@@ -73,12 +121,14 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     tile_m=FP8_TILE_M, tile_n=FP8_TILE_N, tile_k=FP8_BLOCK, scale_block=FP8_BLOCK,
                     e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES,
                     n_size=2 * I, k_size=H, groups=E, threads=threads, sms=target.sms,
-                    producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS),
+                    producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS, k_unroll=gateup_unroll,
+                    **sched["gemm_gateup_fp8"]),
         args=[KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
               KernelArg("a_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK]),
               KernelArg("b", "w13_q", "e4m3", [E, 2 * I, H]),
               KernelArg("b_scales", "w13_scales", "f32", [E, 2 * I // FP8_BLOCK, H // FP8_BLOCK]),
               KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+              KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
               KernelArg("c", "h_q", "e4m3", ["M", I]),
               KernelArg("c_scales", "h_scales", "f32", ["M", I // FP8_BLOCK])],
         grid=f"(min({target.sms}, MT * {I // FP8_BLOCK}),)", block=threads,
@@ -99,14 +149,6 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
               KernelArg("x_rows_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK])],
         grid=f"(ceil(M/{quant_threads // 32}),)", block=quant_threads,
         warp_roles=["each warp: one row of dispatch's layout (its token's x in 1 x 128 blocks: amax, scale, e4m3)"])
-    # The forward around them: the bf16 layer's dispatch (rows padded to the FP8 M tile) and
-    # combine, from the bf16 twin's Plan on the per-GEMM path, and the FP8 row buffers.
-    import dataclasses
-
-    from .plan import Buffer, make_plan
-
-    twin = make_plan(dataclasses.replace(spec, dtype="bf16"), target,
-                     {"row_tile": FP8_TILE_M, "fuse_gemms": False})
     keep = ("dispatch_count", "dispatch_scatter", "combine")
     kernels = [k for k in twin.kernels if k.name in keep]
     bound = {a.tensor for k in kernels for a in k.args}
@@ -124,5 +166,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                "gemm_down_fp8": ["gemm_down_fp8"], "forward": forward}, flops=twin.flops,
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
                    "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
-                   "combine; each FP8 kernel is also an entry point of its own for its golden test (docs/fp8.md)"],
-        overrides=dict(overrides or {}))
+                   "combine; each FP8 kernel is also an entry point of its own for its golden test (docs/fp8.md)",
+                   why_gateup, why_down]
+        + ([f"overrides {json.dumps(overrides, sort_keys=True)}"] if overrides else []),
+        overrides=overrides)
