@@ -29,11 +29,16 @@ for i, spec in enumerate(specs + ep_specs):
 # (top-K over each node's experts, the other nodes' slots empty) and the levels beside it.
 build(MoESpec(**{**ep_specs[0].to_dict(), "nodes": 2}), default_out(), force=force, log=lambda m: None)
 # The FP8 kernels generated so far (tests/test_fp8_gpu.py).
-from test_fp8_gpu import FP8_SHAPES  # noqa: E402
+from test_fp8_gpu import FP8_EXPERIMENTS, FP8_SHAPES  # noqa: E402
 
 for E, K, H, I in FP8_SHAPES:
-    build(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8"), default_out(), force=force,
-          log=lambda m: None)
+    fp8 = MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8")
+    build(fp8, default_out(), force=force, log=lambda m: None)
+    for name, overrides in FP8_EXPERIMENTS.items():
+        build(fp8, default_out() / "experiments" / name, overrides=overrides, force=force, log=lambda m: None)
+# The FP8 benchmark's DeepSeek-V3 layer (benchmarks/fp8_gemm.py --shape 256,8,7168,2048).
+build(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048, dtype="fp8"), default_out(), force=force,
+      log=lambda m: None)
 # Expert parallel, the gate/up launch sending its rows itself (Plan override gemm_sends): the
 # golden worker and ep_bench --variants run it from this directory (MOKGEN_HOME).
 build(ep_specs[0], default_out() / "experiments" / "ep_gemm_sends", overrides={"gemm_sends": True}, force=force,

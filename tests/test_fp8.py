@@ -160,3 +160,17 @@ def test_the_fp8_plan_decides_its_k_loops_and_unit_counters_and_checks_overrides
         make_plan(big, overrides={"row_tile": 64})
     with pytest.raises(PlanError, match="integer >= 0"):
         make_plan(big, overrides={"gemm_down_fp8.k_unroll": -1})
+
+
+def test_fp8_clusters_are_an_override_that_needs_paired_units():
+    from mokgen.schedule.fp8 import cluster_n
+
+    spec = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8")
+    plan = make_plan(spec)
+    assert all(k.params.get("cluster_n", 1) == 1 for k in plan.kernels)
+    plan = make_plan(spec, overrides={"gemm_down_fp8.cluster": 2})
+    assert {k.name: k.params.get("cluster_n") for k in plan.kernels}["gemm_down_fp8"] == 2
+    with pytest.raises(PlanError, match="1 or 2"):
+        make_plan(spec, overrides={"gemm_down_fp8.cluster": 4})
+    with pytest.raises(PlanError, match="do not pair up"):
+        cluster_n("gemm_gateup_fp8", 3, {"gemm_gateup_fp8.cluster": 2})

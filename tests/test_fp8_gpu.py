@@ -9,9 +9,13 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 FP8_SHAPES = [(8, 2, 1024, 512), (64, 8, 2048, 1024)]
+# Builds with Plan overrides the GEMM golden tests also run (benchmarks/build_gpu_variants.py
+# builds them under generated/experiments/<name>): None is the default build.
+FP8_EXPERIMENTS = {"fp8_cluster": {"gemm_gateup_fp8.cluster": 2, "gemm_down_fp8.cluster": 2}}
+BUILDS = [None, *FP8_EXPERIMENTS]
 
 
-def fp8_variant(shape):
+def fp8_variant(shape, experiment=None):
     import mokgen
     from mokgen.runtime import variants_root
 
@@ -19,17 +23,18 @@ def fp8_variant(shape):
         pytest.skip("no CUDA GPU")
     E, K, H, I = shape
     spec = MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8")
-    if not (variants_root() / spec.variant / "build").is_dir():
-        pytest.skip(f"{spec.variant} is not built (benchmarks/build_gpu_variants.py)")
-    return mokgen.load(spec)
+    path = variants_root() / ("experiments/" + experiment if experiment else "") / spec.variant
+    if not (path / "build").is_dir():
+        pytest.skip(f"{path} is not built (benchmarks/build_gpu_variants.py)")
+    return mokgen.load(spec) if experiment is None else mokgen.load(path)
 
 
-def routed_case(shape, T, routing, seed):
+def routed_case(shape, T, routing, seed, experiment=None):
     """A golden case's variant, the layer's bf16 inputs (make_inputs) for this routing, dispatch's
     row layout of its pairs, and a generator for more."""
     from mokgen.verify import make_inputs
 
-    v = fp8_variant(shape)
+    v = fp8_variant(shape, experiment)
     E, K, H, I = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
     inputs = make_inputs(MoESpec(experts=E, topk=K, hidden=H, intermediate=I), T, routing, g)
@@ -62,13 +67,14 @@ def row_layout(ids, E, tile_m=128):
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
 @pytest.mark.parametrize("T", [1, 1000, 4096])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
-def test_down_gemm_fp8_golden(shape, T, routing):
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b or "default")
+def test_down_gemm_fp8_golden(shape, T, routing, build):
     from mokgen.fp8 import EMULATION_TOLERANCE, FP8Weights, _blockwise_matmul, quantize_blocks, quantize_rows
     from mokgen.reference import rel_error
 
     E, K, H, I = shape
     v, (_, ids, _, _, _, wd, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
-                                                                                  T * 7 + len(routing))
+                                                                                  T * 7 + len(routing), build)
     h = torch.randn(rows, I, device="cuda", generator=g)
     h[row_expert.cuda() < 0] = 0.0  # padding rows hold zeros
     h_q, h_s = quantize_rows(h)
@@ -95,7 +101,8 @@ def test_down_gemm_fp8_golden(shape, T, routing):
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
 @pytest.mark.parametrize("T", [1, 1000, 4096])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
-def test_gate_up_gemm_fp8_golden(shape, T, routing):
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b or "default")
+def test_gate_up_gemm_fp8_golden(shape, T, routing, build):
     """h in e4m3 with its 1 x 128 scales, from the routed rows of x in e4m3 and the interleaved
     gate/up weights, against the emulation (float64 products, SwiGLU, quantised from fp32):
     the scales within 2e-3 and h dequantised within REQUANTIZED_TOLERANCE (the tensor cores'
@@ -107,7 +114,7 @@ def test_gate_up_gemm_fp8_golden(shape, T, routing):
 
     E, K, H, I = shape
     v, (_, ids, _, wg, wu, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
-                                                                                   T * 11 + len(routing))
+                                                                                   T * 11 + len(routing), build)
     x_rows = torch.randn(rows, H, device="cuda", generator=g)
     x_rows[row_expert.cuda() < 0] = 0.0  # padding rows: zeros (scale 1)
     xq, xs = quantize_rows(x_rows)

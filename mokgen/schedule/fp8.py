@@ -41,7 +41,30 @@ FP8_SCHED_STAGES = 2  # unit slots between a GEMM's scheduler and its consumers 
 # Overrides an fp8 Plan takes (experiments, autotuning): per GEMM, the K blocks unrolled per
 # runtime iteration of the mainloop (k_unroll: 0 = the whole loop unrolled; otherwise the
 # number of 2-block steps per iteration).
-FP8_OVERRIDES = tuple(f"{g}.k_unroll" for g in ("gemm_gateup_fp8", "gemm_down_fp8"))
+FP8_OVERRIDES = tuple(f"{g}.{o}" for g in ("gemm_gateup_fp8", "gemm_down_fp8") for o in ("k_unroll", "cluster"))
+
+
+def cluster_n(name: str, units_n: int, overrides: dict) -> tuple[int, str]:
+    """(CTAs per cluster, why) for a GEMM. Clusters of 2 CTAs on the two units of a unit pair
+    (multicasting A; an M tile's units must pair up) are an override: on an H200 they measured
+    no faster than single CTAs (E64 T=16384 gate/up 1.52 against 1.44 ms, E256 T=8192 6.18
+    against 6.07 ms; docs/fp8.md), though ncu puts these GEMMs at 84-90% of L2 bandwidth."""
+    key = f"{name}.cluster"
+    want = int(overrides.get(key, 1))
+    if want not in (1, 2):
+        raise_plan_error(f"override {key} must be 1 or 2, got {want}")
+    if want == 1:
+        return 1, f"{name}: no cluster" + (" (override)" if key in overrides else
+                                           " (A multicast over 2-CTA clusters measured no faster)")
+    if units_n % 2:
+        raise_plan_error(f"override {key}: {units_n} units per M tile do not pair up")
+    return 2, f"{name}: clusters of 2 CTAs on the units of one M tile, A multicast to both (override)"
+
+
+def raise_plan_error(message: str):
+    from .plan import PlanError
+
+    raise PlanError(message)
 
 
 def k_unroll(name: str, k_blocks: int, passes: int, overrides: dict) -> tuple[int, str]:
@@ -85,6 +108,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     n_counters = int(next(b for b in twin.buffers if b.name == "tile_counters").shape[0])
     sched = {name: dict(sched_slot=twin_gemms[bf16].params["sched_slot"], sched_stages=FP8_SCHED_STAGES)
              for name, bf16 in (("gemm_gateup_fp8", "gemm_gateup"), ("gemm_down_fp8", "gemm_down"))}
+    down_cluster, why_down_cluster = cluster_n("gemm_down_fp8", H // FP8_TILE_N, overrides)
+    gateup_cluster, why_gateup_cluster = cluster_n("gemm_gateup_fp8", I // FP8_BLOCK, overrides)
     down_unroll, why_down = k_unroll("gemm_down_fp8", I // FP8_BLOCK, 1, overrides)
     gateup_unroll, why_gateup = k_unroll("gemm_gateup_fp8", H // FP8_BLOCK, 2, overrides)
     threads = FP8_WG_THREADS * (1 + FP8_MMA_WARPGROUPS)  # a producer warpgroup, the consumers
@@ -98,7 +123,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     tile_m=FP8_TILE_M, tile_n=FP8_TILE_N, tile_k=FP8_BLOCK, scale_block=FP8_BLOCK,
                     e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES, n_size=H, k_size=I, groups=E,
                     threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
-                    consumer_regs=FP8_CONSUMER_REGS, k_unroll=down_unroll, **sched["gemm_down_fp8"]),
+                    consumer_regs=FP8_CONSUMER_REGS, k_unroll=down_unroll, cluster_n=down_cluster,
+                    **sched["gemm_down_fp8"]),
         args=[KernelArg("a", "h_q", "e4m3", ["M", I]),
               # (row-major [M, K/128]: a tensor's dynamic extent may only be its first, as the
               # launch shim passes no strides)
@@ -122,7 +148,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES,
                     n_size=2 * I, k_size=H, groups=E, threads=threads, sms=target.sms,
                     producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS, k_unroll=gateup_unroll,
-                    **sched["gemm_gateup_fp8"]),
+                    cluster_n=gateup_cluster, **sched["gemm_gateup_fp8"]),
         args=[KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
               KernelArg("a_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK]),
               KernelArg("b", "w13_q", "e4m3", [E, 2 * I, H]),
@@ -167,6 +193,6 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
                    "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
                    "combine; each FP8 kernel is also an entry point of its own for its golden test (docs/fp8.md)",
-                   why_gateup, why_down]
+                   why_gateup, why_down, why_gateup_cluster, why_down_cluster]
         + ([f"overrides {json.dumps(overrides, sort_keys=True)}"] if overrides else []),
         overrides=overrides)
