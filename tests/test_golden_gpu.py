@@ -211,7 +211,7 @@ def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
         mokgen.check_errors()
         assert torch.isfinite(out.float()).all()
     # the chunked dispatch (an experiment's build) reports them too
-    v = mokgen.load(experiment_dir("chunked") / spec_of(SHAPES[0]).variant)
+    v = mokgen.load(built_path(spec_of(SHAPES[0]), experiment_dir("chunked"), SAME_BITS_EXPERIMENTS["chunked"]))
     v.forward(x, bad, w, wg, wu, wd)
     with pytest.raises(InputError, match="outside \\[0, 64\\)"):
         v.check_errors()
@@ -237,7 +237,7 @@ def test_empty_slots_chunked_dispatch_and_backward(gen):
     import mokgen
     from mokgen.verify import check_backward, check_forward
 
-    v = mokgen.load(experiment_dir("chunked") / spec_of(SHAPES[0]).variant)
+    v = mokgen.load(built_path(spec_of(SHAPES[0]), experiment_dir("chunked"), SAME_BITS_EXPERIMENTS["chunked"]))
     r = check_forward(v, 4096, "dropped", gen)
     v.check_errors()
     assert not r.unwritten and r.rel_error <= TOL
