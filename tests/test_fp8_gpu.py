@@ -64,38 +64,71 @@ def row_layout(ids, E, tile_m=128):
     return rows + tile_m, torch.tensor(tile_expert + [-1], dtype=torch.int32), row_expert
 
 
+def check_plain_gemm(v, entry, names, a, weights, tile_expert):
+    """Run one of the plain FP8 GEMMs (bf16 C = A @ B[e]^T per used M tile, templates/
+    grouped_gemm_fp8.py.j2) on A [rows, K] (float; padding rows zero), quantised per row, and
+    weights (FP8Weights [E, N, K]); poisoned C; against the float64 emulation rounded to bf16
+    within EMULATION_TOLERANCE (no requantisation after it). names: the A, B and C tensors."""
+    from mokgen.fp8 import EMULATION_TOLERANCE, FP8Weights, _blockwise_matmul, quantize_rows
+    from mokgen.reference import rel_error
+
+    a_name, b_name, c_name = names
+    rows, N = a.shape[0], weights.values.shape[1]
+    a_q, a_s = quantize_rows(a)
+    c = torch.full((rows, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    v.run(entry, {a_name: a_q, a_name[:-2] + "_scales": a_s, b_name: weights.values,
+                  b_name[:-2] + "_scales": weights.scales, "tile_counters": tile_counters(v),
+                  "tile_expert": tile_expert.cuda(), c_name: c}, torch.device("cuda"))
+    torch.cuda.synchronize()
+    ref = torch.zeros(rows, N, dtype=torch.float64, device="cuda")
+    used = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    for m, e in enumerate(tile_expert.tolist()):
+        if e >= 0:
+            sl = slice(m * 128, (m + 1) * 128)
+            used[sl] = True
+            ref[sl] = _blockwise_matmul(a_q[sl], a_s[sl], FP8Weights(weights.values[e], weights.scales[e]))
+    assert not torch.isnan(c[used].float()).any(), "unwritten rows of used M tiles"
+    err = rel_error(c[used], ref[used].to(torch.bfloat16).double())
+    assert err <= EMULATION_TOLERANCE, f"relative error {err:.2e} against the bf16-rounded emulation"
+
+
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
 @pytest.mark.parametrize("T", [1, 1000, 4096])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
 @pytest.mark.parametrize("build", BUILDS, ids=lambda b: b or "default")
 def test_down_gemm_fp8_golden(shape, T, routing, build):
-    from mokgen.fp8 import EMULATION_TOLERANCE, FP8Weights, _blockwise_matmul, quantize_blocks, quantize_rows
-    from mokgen.reference import rel_error
+    from mokgen.fp8 import FP8Weights, quantize_blocks
 
     E, K, H, I = shape
     v, (_, ids, _, _, _, wd, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
                                                                                   T * 7 + len(routing), build)
     h = torch.randn(rows, I, device="cuda", generator=g)
     h[row_expert.cuda() < 0] = 0.0  # padding rows hold zeros
-    h_q, h_s = quantize_rows(h)
-    w_q, w_s = quantize_blocks(wd)
-    y = torch.full((rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-    v.run("gemm_down_fp8", dict(h_q=h_q, h_scales=h_s, w_down_q=w_q, w_down_scales=w_s, tile_counters=tile_counters(v),
-                                tile_expert=tile_expert.cuda(), y=y), torch.device("cuda"))
-    torch.cuda.synchronize()
-    ref = torch.zeros(rows, H, dtype=torch.float64, device="cuda")
-    for e in range(E):
-        r = (row_expert == e).nonzero().flatten().cuda()
-        if r.numel():
-            tiles = torch.arange(r[0].item() // 128 * 128, (r[-1].item() // 128 + 1) * 128, device="cuda")
-            ref[tiles] = _blockwise_matmul(h_q[tiles], h_s[tiles], FP8Weights(w_q[e], w_s[e]))
-    used = torch.zeros(rows, dtype=torch.bool, device="cuda")
-    for m, e in enumerate(tile_expert.tolist()):
-        if e >= 0:
-            used[m * 128:(m + 1) * 128] = True
-    assert not torch.isnan(y[used].float()).any(), "unwritten rows of used M tiles"
-    err = rel_error(y[used], ref[used].to(torch.bfloat16).double())
-    assert err <= EMULATION_TOLERANCE, f"relative error {err:.2e} against the bf16-rounded emulation"
+    check_plain_gemm(v, "gemm_down_fp8", ("h_q", "w_down_q", "y"), h, FP8Weights(*quantize_blocks(wd)), tile_expert)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
+@pytest.mark.parametrize("T", [1, 1000, 4096])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+@pytest.mark.parametrize("which", ["down", "gateup"])
+def test_dgrad_gemms_fp8_golden(shape, T, routing, which):
+    """The backward's FP8 data gradients over the transposed weight copies of quantize_experts:
+    dh = dy @ w_down (B = down_t) and dx_rows = [da | db] @ [w_gate; w_up] (B = gate_up_t, the
+    2I columns interleaved per 64 as the gate/up GEMM writes them)."""
+    from mokgen.fp8 import quantize_experts
+
+    E, K, H, I = shape
+    v, (_, ids, _, wg, wu, wd, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
+                                                                                    T * 19 + len(routing))
+    experts = quantize_experts(wg, wu, wd)
+    k_size = H if which == "down" else 2 * I
+    a = torch.randn(rows, k_size, device="cuda", generator=g)
+    a[row_expert.cuda() < 0] = 0.0
+    if which == "down":
+        check_plain_gemm(v, "bwd_dgrad_down_fp8", ("dy_q", "w_down_t_q", "dh"), a, experts.down_t, tile_expert)
+    else:
+        check_plain_gemm(v, "bwd_dgrad_gateup_fp8", ("dab_q", "w13_t_q", "dx_rows"), a, experts.gate_up_t,
+                         tile_expert)
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])

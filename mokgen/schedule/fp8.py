@@ -41,7 +41,8 @@ FP8_SCHED_STAGES = 2  # unit slots between a GEMM's scheduler and its consumers 
 # Overrides an fp8 Plan takes (experiments, autotuning): per GEMM, the K blocks unrolled per
 # runtime iteration of the mainloop (k_unroll: 0 = the whole loop unrolled; otherwise the
 # number of 2-block steps per iteration).
-FP8_OVERRIDES = tuple(f"{g}.{o}" for g in ("gemm_gateup_fp8", "gemm_down_fp8") for o in ("k_unroll", "cluster"))
+FP8_GEMMS = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
+FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "cluster"))
 
 
 def cluster_n(name: str, units_n: int, overrides: dict) -> tuple[int, str]:
@@ -106,38 +107,58 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     # dispatch zeroes every call).
     twin_gemms = {k.name: k for k in twin.kernels}
     n_counters = int(next(b for b in twin.buffers if b.name == "tile_counters").shape[0])
+    twin_of = {"gemm_gateup_fp8": "gemm_gateup", "gemm_down_fp8": "gemm_down",
+               "bwd_dgrad_down_fp8": "bwd_dgrad_down", "bwd_dgrad_gateup_fp8": "bwd_dgrad_gateup"}
     sched = {name: dict(sched_slot=twin_gemms[bf16].params["sched_slot"], sched_stages=FP8_SCHED_STAGES)
-             for name, bf16 in (("gemm_gateup_fp8", "gemm_gateup"), ("gemm_down_fp8", "gemm_down"))}
-    down_cluster, why_down_cluster = cluster_n("gemm_down_fp8", H // FP8_TILE_N, overrides)
+             for name, bf16 in twin_of.items()}
     gateup_cluster, why_gateup_cluster = cluster_n("gemm_gateup_fp8", I // FP8_BLOCK, overrides)
-    down_unroll, why_down = k_unroll("gemm_down_fp8", I // FP8_BLOCK, 1, overrides)
     gateup_unroll, why_gateup = k_unroll("gemm_gateup_fp8", H // FP8_BLOCK, 2, overrides)
     threads = FP8_WG_THREADS * (1 + FP8_MMA_WARPGROUPS)  # a producer warpgroup, the consumers
     stage_bytes = (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # e4m3 A and B tiles of one K block
     # gate/up keeps the first pass's h (fp32) per consumer thread until the second pass
     stash_bytes = 4 * FP8_TILE_M * FP8_TILE_N // 2
-    down = KernelPlan(
-        name="gemm_down_fp8", stage="gemm_down", module="gemm_down_fp8", template="grouped_gemm_fp8.py.j2",
-        entry="main",
-        params=dict(name="gemm_down_fp8", class_name="GemmDownFP8", doc="FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
-                    tile_m=FP8_TILE_M, tile_n=FP8_TILE_N, tile_k=FP8_BLOCK, scale_block=FP8_BLOCK,
-                    e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES, n_size=H, k_size=I, groups=E,
-                    threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
-                    consumer_regs=FP8_CONSUMER_REGS, k_unroll=down_unroll, cluster_n=down_cluster,
-                    **sched["gemm_down_fp8"]),
-        args=[KernelArg("a", "h_q", "e4m3", ["M", I]),
-              # (row-major [M, K/128]: a tensor's dynamic extent may only be its first, as the
-              # launch shim passes no strides)
-              KernelArg("a_scales", "h_scales", "f32", ["M", I // FP8_BLOCK]),
-              KernelArg("b", "w_down_q", "e4m3", [E, H, I]),
-              KernelArg("b_scales", "w_down_scales", "f32", [E, H // FP8_BLOCK, I // FP8_BLOCK]),
-              KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
-              KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
-              KernelArg("c", "y", "bf16", ["M", H])],
-        grid=f"(min({target.sms}, MT * {H // FP8_BLOCK}),)", block=threads,
-        warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
-                    "warpgroups 1-2: QGMMA per 128-wide K block, then its promotion times the row and block scales"],
-        smem_bytes=FP8_STAGES * stage_bytes)
+    why = []
+
+    def blockwise_gemm(name, class_name, stage, doc, a, b, c, n_size, k_size):
+        """C [M, n_size] bf16 = A [M, k_size] (e4m3, 1 x 128 row scales) @ B[e]^T (B [E, n_size,
+        k_size] e4m3, 128 x 128 scales) per used M tile of expert e: the template's plain mode."""
+        cluster, why_cluster = cluster_n(name, n_size // FP8_TILE_N, overrides)
+        unroll, why_unroll = k_unroll(name, k_size // FP8_BLOCK, 1, overrides)
+        why.extend([why_unroll, why_cluster])
+        return KernelPlan(
+            name=name, stage=stage, module=name, template="grouped_gemm_fp8.py.j2", entry="main",
+            params=dict(name=name, class_name=class_name, doc=doc, tile_m=FP8_TILE_M, tile_n=FP8_TILE_N,
+                        tile_k=FP8_BLOCK, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX,
+                        mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES, n_size=n_size, k_size=k_size,
+                        groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
+                        consumer_regs=FP8_CONSUMER_REGS, k_unroll=unroll, cluster_n=cluster, **sched[name]),
+            # (scales row-major [M, K/128]: a tensor's dynamic extent may only be its first, as
+            # the launch shim passes no strides)
+            args=[KernelArg("a", a, "e4m3", ["M", k_size]),
+                  KernelArg("a_scales", f"{a[:-2]}_scales", "f32", ["M", k_size // FP8_BLOCK]),
+                  KernelArg("b", b, "e4m3", [E, n_size, k_size]),
+                  KernelArg("b_scales", f"{b[:-2]}_scales", "f32", [E, n_size // FP8_BLOCK, k_size // FP8_BLOCK]),
+                  KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                  KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
+                  KernelArg("c", c, "bf16", ["M", n_size])],
+            grid=f"(min({target.sms}, MT * {n_size // FP8_TILE_N}),)", block=threads,
+            warp_roles=["warpgroup 0, warp 0: the unit scheduler and TMA producer of the A and B stages",
+                        "warpgroups 1-2: QGMMA per 128-wide K block, then its promotion times the row and block "
+                        "scales"],
+            smem_bytes=FP8_STAGES * stage_bytes)
+
+    down = blockwise_gemm("gemm_down_fp8", "GemmDownFP8", "gemm_down",
+                          "FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
+                          "h_q", "w_down_q", "y", H, I)
+    # The backward's data gradients (entry points with golden tests; the FP8 backward around
+    # them is not generated yet): the same GEMM over the transposed weight copies.
+    dgrad_down = blockwise_gemm("bwd_dgrad_down_fp8", "DgradDownFP8", "gemm_down",
+                                "FP8 dgrad of the down projection: dh = dy @ w_down per expert (B = w_down^T), "
+                                "blockwise scaled.", "dy_q", "w_down_t_q", "dh", I, H)
+    dgrad_gateup = blockwise_gemm("bwd_dgrad_gateup_fp8", "DgradGateUpFP8", "gemm_gateup",
+                                  "FP8 dgrad of the gate/up projection: dx_rows = [da | db] @ [w_gate; w_up] per "
+                                  "expert (B = their interleaved transposed copy), blockwise scaled.",
+                                  "dab_q", "w13_t_q", "dx_rows", H, 2 * I)
     gateup = KernelPlan(
         name="gemm_gateup_fp8", stage="gemm_gateup", module="gemm_gateup_fp8", template="grouped_gemm_fp8.py.j2",
         entry="main",
@@ -181,18 +202,23 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     rows = next(b for b in twin.buffers if b.name == "y").shape[0]  # dispatch's padded rows, a function of T
     buffers = [b for b in twin.buffers if b.name in bound] + [
         Buffer("x_rows_q", "e4m3", [rows, str(H)]), Buffer("x_rows_scales", "f32", [rows, str(H // FP8_BLOCK)]),
-        Buffer("h_q", "e4m3", [rows, str(I)]), Buffer("h_scales", "f32", [rows, str(I // FP8_BLOCK)])]
+        Buffer("h_q", "e4m3", [rows, str(I)]), Buffer("h_scales", "f32", [rows, str(I // FP8_BLOCK)]),
+        # (the dgrad GEMMs' operands, in dispatch's row layout)
+        Buffer("dy_q", "e4m3", [rows, str(H)]), Buffer("dy_scales", "f32", [rows, str(H // FP8_BLOCK)]),
+        Buffer("dh", "bf16", [rows, str(I)]),
+        Buffer("dab_q", "e4m3", [rows, str(2 * I)]), Buffer("dab_scales", "f32", [rows, str(2 * I // FP8_BLOCK)]),
+        Buffer("dx_rows", "bf16", [rows, str(H)])]
     forward = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "gemm_gateup_fp8", "gemm_down_fp8",
                "combine"]
     return Plan(
         format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
         target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
-        buffers=buffers, kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:],
-        steps={"quantize_rows_fp8": ["quantize_rows_fp8"], "gemm_gateup_fp8": ["gemm_gateup_fp8"],
-               "gemm_down_fp8": ["gemm_down_fp8"], "forward": forward}, flops=twin.flops,
+        buffers=buffers, kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:] + [dgrad_down, dgrad_gateup],
+        steps={**{k.name: [k.name] for k in (quantize, gateup, down, dgrad_down, dgrad_gateup)}, "forward": forward},
+        flops=twin.flops,
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
                    "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
                    "combine; each FP8 kernel is also an entry point of its own for its golden test (docs/fp8.md)",
-                   why_gateup, why_down, why_gateup_cluster, why_down_cluster]
+                   why_gateup, why_gateup_cluster, *why]
         + ([f"overrides {json.dumps(overrides, sort_keys=True)}"] if overrides else []),
         overrides=overrides)
