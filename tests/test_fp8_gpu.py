@@ -192,24 +192,31 @@ def test_gate_up_gemm_fp8_golden(shape, T, routing, build):
 def test_quantize_rows_fp8_golden(shape, T, routing):
     """The routed rows of x in dispatch's order, in e4m3 with 1 x 128 scales, as
     mokgen.fp8.quantize_rows of those rows (zeros and scale 1 on padding rows): bit for bit (both
-    divide in IEEE fp32)."""
+    divide in IEEE fp32). Each token is quantised once and stored to its rows; empty slots (the
+    dropped routing) have none."""
     from mokgen.fp8 import quantize_rows
 
     E, K, H, I = shape
     v, (x, ids, _, _, _, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
                                                                                  T * 13 + len(routing))
-    # the rows' tokens: each expert's pairs in (token, slot) order, as dispatch places them
+    # the rows' tokens and the pairs' rows: each expert's pairs in (token, slot) order, as
+    # dispatch places them (pos is left unwritten, -7 here, for pairs without a row: the
+    # kernel must not read it for them)
     row_token = torch.full((rows,), -1, dtype=torch.int32)
+    pos = torch.full(tuple(ids.shape), -7, dtype=torch.int32)
     for e in range(E):
-        tok = (ids.cpu() == e).nonzero()[:, 0].to(torch.int32)
+        pairs = (ids.cpu() == e).nonzero()
         start = (row_expert == e).nonzero()
-        if tok.numel():
-            row_token[start[0, 0]:start[0, 0] + tok.numel()] = tok
+        if pairs.numel():
+            first = start[0, 0].item()
+            row_token[first:first + len(pairs)] = pairs[:, 0].to(torch.int32)
+            pos[pairs[:, 0], pairs[:, 1]] = torch.arange(first, first + len(pairs), dtype=torch.int32)
     row_token = row_token.cuda()
     xq = torch.full((rows, H), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     xs = torch.full((rows, H // 128), float("nan"), device="cuda")
-    v.run("quantize_rows_fp8", dict(x=x, row_token=row_token, tile_expert=tile_expert.cuda(), x_rows_q=xq,
-                                    x_rows_scales=xs), torch.device("cuda"))
+    v.run("quantize_rows_fp8", dict(x=x, topk_ids=ids, pos=pos.cuda(), row_token=row_token,
+                                    tile_expert=tile_expert.cuda(), x_rows_q=xq, x_rows_scales=xs),
+          torch.device("cuda"))
     torch.cuda.synchronize()
     used = torch.repeat_interleave(tile_expert >= 0, 128)[:rows].cuda()
     src = torch.where((row_token >= 0)[:, None], x[row_token.clamp(min=0).long()].float(), 0.0)

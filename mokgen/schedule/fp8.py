@@ -187,15 +187,19 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     quantize = KernelPlan(
         name="quantize_rows_fp8", stage="send", module="quantize_rows_fp8", template="quantize_rows_fp8.py.j2",
         entry="main",
-        params=dict(name="quantize_rows_fp8", hidden=H, threads=quant_threads, tile_m=FP8_TILE_M,
-                    scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX),
+        params=dict(name="quantize_rows_fp8", hidden=H, topk=spec.topk, experts=E, threads=quant_threads,
+                    tile_m=FP8_TILE_M, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX),
         args=[KernelArg("x", "x", "bf16", ["T", H]),
+              KernelArg("ids", "topk_ids", "i32", ["T", spec.topk]),
+              KernelArg("pos", "pos", "i32", ["T", spec.topk]),
               KernelArg("row_token", "row_token", "i32", ["M"]),
               KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
               KernelArg("x_rows_q", "x_rows_q", "e4m3", ["M", H]),
               KernelArg("x_rows_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK])],
-        grid=f"(ceil(M/{quant_threads // 32}),)", block=quant_threads,
-        warp_roles=["each warp: one row of dispatch's layout (its token's x in 1 x 128 blocks: amax, scale, e4m3)"])
+        grid=f"(ceil(T/{quant_threads // 32}) + ceil(M/{quant_threads // 32}),)", block=quant_threads,
+        warp_roles=["the first ceil(T / 8) CTAs, each warp: one token's x in 1 x 128 blocks (amax, scale, e4m3), "
+                    "stored to each of its K rows",
+                    "the CTAs after them, each warp: one row of dispatch's layout, zeroed if it is padding"])
     keep = ("dispatch_count", "dispatch_scatter", "combine")
     kernels = [k for k in twin.kernels if k.name in keep]
     bound = {a.tensor for k in kernels for a in k.args}
