@@ -214,6 +214,59 @@ def moe_fp8_emulated(x, topk_ids, topk_weights, experts: FP8Experts) -> torch.Te
     return out
 
 
+def join_gate_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The inverse of split_gate_up: gate, up [..., I] -> [..., 2I] interleaved per INTERLEAVE columns."""
+    *lead, i = a.shape
+    return torch.stack([a.reshape(*lead, i // INTERLEAVE, INTERLEAVE), b.reshape(*lead, i // INTERLEAVE, INTERLEAVE)],
+                       -2).reshape(*lead, 2 * i)
+
+
+def swiglu_backward_quantized(a13: torch.Tensor, g: torch.Tensor, w: torch.Tensor):
+    """The FP8 SwiGLU backward of rows (templates/swiglu_backward_fp8.py.j2), in float64: a13
+    [rows, 2I] the gate/up products (interleaved), g [rows, I] = dout @ w_down (unweighted), w
+    [rows] the pairs' routing weights. Returns ([da | db] interleaved, in e4m3 with 1 x 128
+    scales, quantised from fp32 as the kernel does, and <g, h> per row, the routing weights'
+    gradient), with h = silu(a) * b, da = w g b silu'(a), db = w g silu(a)."""
+    a, b = (t.double() for t in split_gate_up(a13))
+    g = g.double()
+    sig = torch.sigmoid(a)
+    silu = a * sig
+    d_w = (g * silu * b).sum(-1)
+    gw = g * w.double()[:, None]
+    da = gw * b * sig * (1.0 + a * (1.0 - sig))
+    db = gw * silu
+    return quantize_rows(join_gate_up(da, db).float()), d_w
+
+
+def moe_fp8_backward_data_emulated(dout, x, topk_ids, topk_weights, experts: FP8Experts):
+    """The FP8 backward's data gradients (dx [T, H], d_topk_weights [T, K], float64), emulated
+    as the kernels compute them: dout and x quantised per 1 x 128 row block; per expert, the
+    gate/up products recomputed blockwise and stored in bf16, g = dout @ w_down blockwise (over
+    the transposed copy) in bf16, the SwiGLU backward (swiglu_backward_quantized), dx's rows =
+    [da | db] @ [w_gate; w_up] blockwise in bf16, summed over each token's slots."""
+    T, H = x.shape
+    dx = torch.zeros(T, H, dtype=torch.float64, device=x.device)
+    d_w = torch.zeros(topk_ids.shape, dtype=torch.float64, device=x.device)
+    if T == 0:
+        return dx, d_w
+    xq, xs = quantize_rows(x)
+    dq, ds = quantize_rows(dout)
+    ids = topk_ids.long()
+    E = experts.gate_up.values.shape[0]
+    for e in range(E):
+        tok, slot = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        pick = lambda p: FP8Weights(p.values[e], p.scales[e])  # noqa: E731
+        bf16 = lambda t: t.to(torch.bfloat16).double()  # noqa: E731  (the kernels store bf16)
+        a13 = bf16(_blockwise_matmul(xq[tok], xs[tok], pick(experts.gate_up)))
+        g = bf16(_blockwise_matmul(dq[tok], ds[tok], pick(experts.down_t)))
+        (dab_q, dab_s), dot = swiglu_backward_quantized(a13, g, topk_weights[tok, slot])
+        d_w[tok, slot] = dot
+        dx.index_add_(0, tok, bf16(_blockwise_matmul(dab_q, dab_s, pick(experts.gate_up_t))))
+    return dx, d_w
+
+
 def swiglu_quantized(a13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate/up kernel's epilogue from its float64 products [rows, 2I] (interleaved): h =
     silu(gate) * up, then h in e4m3 with 1 x 128 scales, quantised from fp32 as the kernel does."""

@@ -48,7 +48,10 @@ def format_plan(plan: dict) -> str:
             out.append(f"          {what}: " + " -> ".join(plan["steps"][entry])
                        + (f" (the runtime zeroes {', '.join(zeroed)} first)" if zeroed else ""))
     if plan["spec"].get("dtype") == "fp8":
-        out.append("          no backward yet (FP8: docs/fp8.md)")
+        if "backward_data" in plan["steps"]:
+            out.append("          backward, data gradients only (Variant.backward_data_fp8): "
+                       + " -> ".join(plan["steps"]["backward_data"]))
+        out.append("          no FP8 weight gradients and no autograd yet (docs/fp8.md)")
     elif "backward" not in plan["steps"]:
         out.append("          " + backward_decision(plan))
     rows = []

@@ -327,6 +327,31 @@ class Variant:
             self._record_status(env)
         return out
 
+    def backward_data_fp8(self, dout, x, topk_ids, topk_weights, experts):
+        """(dx, d_topk_weights) of the FP8 layer (dtype fp8) for the output gradient dout: its
+        data gradients, recomputing the forward's products (the FP8 weight gradients are not
+        generated yet). Pairs without a row (empty slots, ids out of range) get a
+        d_topk_weights of 0. No checks here."""
+        tokens = x.shape[0]
+        if self.poison:
+            dx = torch.full_like(x, float("nan"))
+            in_range = (topk_ids >= 0) & (topk_ids < self.spec.experts)
+            d_weights = torch.where(in_range, float("nan"), 0.0).to(torch.float32)
+        else:
+            dx, d_weights = torch.empty_like(x), torch.zeros_like(topk_weights, dtype=torch.float32)
+        if tokens == 0:
+            return dx, d_weights
+        self._check_status(wait=False)
+        with torch.cuda.device(x.device):
+            env = self._workspace(tokens, x.device, "backward_data")
+            env.update(x=x, dout=dout, topk_ids=topk_ids, topk_weights=topk_weights, dx=dx, d_topk_weights=d_weights,
+                       w13_q=experts.gate_up.values, w13_scales=experts.gate_up.scales,
+                       w_down_t_q=experts.down_t.values, w_down_t_scales=experts.down_t.scales,
+                       w13_t_q=experts.gate_up_t.values, w13_t_scales=experts.gate_up_t.scales)
+            self.run("backward_data", env, x.device)
+            self._record_status(env)
+        return dx, d_weights
+
     @property
     def has_backward(self) -> bool:
         return "backward" in self.plan["steps"] or "backward_recompute" in self.plan["steps"]

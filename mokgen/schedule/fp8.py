@@ -1,8 +1,9 @@
 """The Plan of an FP8 layer (dtype "fp8": e4m3 with fp32 block scales, docs/fp8.md).
 
 The FP8 layer is generated kernel by kernel. This Plan holds its kernels, each also an entry
-point of its own for the golden tests (Variant.run), and the forward that chains them with the
-bf16 layer's dispatch and combine (forward only; no backward yet):
+point of its own for the golden tests (Variant.run), the forward that chains them with the
+bf16 layer's dispatch and combine, and the backward's data gradients (backward_data: dx and
+d_topk_weights, recomputing the forward's products; no weight gradients yet):
 
     quantize_rows_fp8  x_rows_q, x_rows_scales = the routed rows of x in dispatch's order, in
                     e4m3 with 1 x 128 scales (templates/quantize_rows_fp8.py.j2)
@@ -11,6 +12,12 @@ bf16 layer's dispatch and combine (forward only; no backward yet):
                     w_up interleaved per 64 columns (templates/grouped_gemm_fp8.py.j2, gateup)
     gemm_down_fp8   y = blockwise(h_q, h_scales) @ blockwise(w_down)^T per expert, the down
                     projection over dispatch's row layout (templates/grouped_gemm_fp8.py.j2)
+    quantize_dout_fp8  dy_q, dy_scales = dout's rows in dispatch's order in e4m3 (the same kernel)
+    bwd_recompute_fp8  a13 = x_rows @ [w_gate; w_up]^T (bf16, interleaved), the gate/up products
+    bwd_dgrad_down_fp8 dh = dy @ w_down (unweighted; B = its transposed copy)
+    swiglu_backward_fp8  <dh, h> for d_topk_weights, [da | db] in e4m3 (templates/swiglu_backward_fp8.py.j2)
+    bwd_dgrad_gateup_fp8 dxs = [da | db] @ [w_gate; w_up] (B = their transposed copy); the bf16
+                    layer's bwd_combine sums each token's rows into dx
 
 """
 from __future__ import annotations
@@ -41,7 +48,7 @@ FP8_SCHED_STAGES = 2  # unit slots between a GEMM's scheduler and its consumers 
 # Overrides an fp8 Plan takes (experiments, autotuning): per GEMM, the K blocks unrolled per
 # runtime iteration of the mainloop (k_unroll: 0 = the whole loop unrolled; otherwise the
 # number of 2-block steps per iteration).
-FP8_GEMMS = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
+FP8_GEMMS = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
 FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "cluster"))
 
 
@@ -107,7 +114,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     # dispatch zeroes every call).
     twin_gemms = {k.name: k for k in twin.kernels}
     n_counters = int(next(b for b in twin.buffers if b.name == "tile_counters").shape[0])
-    twin_of = {"gemm_gateup_fp8": "gemm_gateup", "gemm_down_fp8": "gemm_down",
+    twin_of = {"gemm_gateup_fp8": "gemm_gateup", "gemm_down_fp8": "gemm_down", "bwd_recompute_fp8": "bwd_recompute",
                "bwd_dgrad_down_fp8": "bwd_dgrad_down", "bwd_dgrad_gateup_fp8": "bwd_dgrad_gateup"}
     sched = {name: dict(sched_slot=twin_gemms[bf16].params["sched_slot"], sched_stages=FP8_SCHED_STAGES)
              for name, bf16 in twin_of.items()}
@@ -150,15 +157,19 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     down = blockwise_gemm("gemm_down_fp8", "GemmDownFP8", "gemm_down",
                           "FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
                           "h_q", "w_down_q", "y", H, I)
-    # The backward's data gradients (entry points with golden tests; the FP8 backward around
-    # them is not generated yet): the same GEMM over the transposed weight copies.
+    # The backward's data gradients (the weight gradients are not generated yet): the gate/up
+    # products recomputed, and the same GEMM over the transposed weight copies.
+    recompute = blockwise_gemm("bwd_recompute_fp8", "RecomputeFP8", "gemm_gateup",
+                               "FP8 recompute of the gate/up products for the backward: a13 = x @ [w_gate; w_up]^T "
+                               "per expert (interleaved per 64 columns), blockwise scaled.",
+                               "x_rows_q", "w13_q", "a13", 2 * I, H)
     dgrad_down = blockwise_gemm("bwd_dgrad_down_fp8", "DgradDownFP8", "gemm_down",
                                 "FP8 dgrad of the down projection: dh = dy @ w_down per expert (B = w_down^T), "
                                 "blockwise scaled.", "dy_q", "w_down_t_q", "dh", I, H)
     dgrad_gateup = blockwise_gemm("bwd_dgrad_gateup_fp8", "DgradGateUpFP8", "gemm_gateup",
-                                  "FP8 dgrad of the gate/up projection: dx_rows = [da | db] @ [w_gate; w_up] per "
+                                  "FP8 dgrad of the gate/up projection: dxs = [da | db] @ [w_gate; w_up] per "
                                   "expert (B = their interleaved transposed copy), blockwise scaled.",
-                                  "dab_q", "w13_t_q", "dx_rows", H, 2 * I)
+                                  "dab_q", "w13_t_q", "dxs", H, 2 * I)
     gateup = KernelPlan(
         name="gemm_gateup_fp8", stage="gemm_gateup", module="gemm_gateup_fp8", template="grouped_gemm_fp8.py.j2",
         entry="main",
@@ -200,7 +211,32 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         warp_roles=["the first ceil(T / 8) CTAs, each warp: one token's x in 1 x 128 blocks (amax, scale, e4m3), "
                     "stored to each of its K rows",
                     "the CTAs after them, each warp: one row of dispatch's layout, zeroed if it is padding"])
-    keep = ("dispatch_count", "dispatch_scatter", "combine")
+    # dout's rows in dispatch's order, in e4m3: the same kernel as x's
+    quantize_dout = dataclasses.replace(
+        quantize, name="quantize_dout_fp8", module="quantize_dout_fp8", stage="bwd_quantize",
+        params={**quantize.params, "name": "quantize_dout_fp8"},
+        args=[dataclasses.replace(a, tensor={"x": "dout", "x_rows_q": "dy_q", "x_rows_scales": "dy_scales"}.get(
+            a.tensor, a.tensor)) for a in quantize.args],
+        warp_roles=[r.replace("x in", "dout row in") for r in quantize.warp_roles])
+    swiglu_threads = 256
+    swiglu = KernelPlan(
+        name="swiglu_backward_fp8", stage="bwd_swiglu", module="swiglu_backward_fp8",
+        template="swiglu_backward_fp8.py.j2", entry="main",
+        params=dict(name="swiglu_backward_fp8", topk=spec.topk, intermediate=I, threads=swiglu_threads,
+                    tile_m=FP8_TILE_M, interleave=FP8_BLOCK // 2, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX),
+        args=[KernelArg("row_token", "row_token", "i32", ["M"]),
+              KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+              KernelArg("pos", "pos", "i32", ["T", spec.topk]),
+              KernelArg("weights", "topk_weights", "f32", ["T", spec.topk]),
+              KernelArg("g", "dh", "bf16", ["M", I]),
+              KernelArg("a13", "a13", "bf16", ["M", 2 * I]),
+              KernelArg("dab_q", "dab_q", "e4m3", ["M", 2 * I]),
+              KernelArg("dab_scales", "dab_scales", "f32", ["M", 2 * I // FP8_BLOCK]),
+              KernelArg("d_weights", "d_topk_weights", "f32", ["T", spec.topk])],
+        grid=f"(ceil(M/{swiglu_threads // 32}),)", block=swiglu_threads,
+        warp_roles=["each warp: one row (pair): <g, h> for the routing weight's gradient, da and db in e4m3 per "
+                    "1 x 128 block of the interleaved columns"])
+    keep = ("dispatch_count", "dispatch_scatter", "combine", "bwd_combine")
     kernels = [k for k in twin.kernels if k.name in keep]
     bound = {a.tensor for k in kernels for a in k.args}
     rows = next(b for b in twin.buffers if b.name == "y").shape[0]  # dispatch's padded rows, a function of T
@@ -211,14 +247,23 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         Buffer("dy_q", "e4m3", [rows, str(H)]), Buffer("dy_scales", "f32", [rows, str(H // FP8_BLOCK)]),
         Buffer("dh", "bf16", [rows, str(I)]),
         Buffer("dab_q", "e4m3", [rows, str(2 * I)]), Buffer("dab_scales", "f32", [rows, str(2 * I // FP8_BLOCK)]),
-        Buffer("dx_rows", "bf16", [rows, str(H)])]
+        Buffer("a13", "bf16", [rows, str(2 * I)])]  # (dxs, the gate/up dgrad's rows, is the twin's)
     forward = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "gemm_gateup_fp8", "gemm_down_fp8",
                "combine"]
+    # The data gradients (dx, d_topk_weights) from dout, recomputing the forward's products
+    # (nothing saved): the weight gradients are not generated yet.
+    backward_data = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "quantize_dout_fp8",
+                     "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "swiglu_backward_fp8", "bwd_dgrad_gateup_fp8",
+                     "bwd_combine"]
     return Plan(
         format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
         target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
-        buffers=buffers, kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:] + [dgrad_down, dgrad_gateup],
-        steps={**{k.name: [k.name] for k in (quantize, gateup, down, dgrad_down, dgrad_gateup)}, "forward": forward},
+        buffers=buffers,
+        kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:] + [quantize_dout, recompute, dgrad_down, swiglu,
+                                                                        dgrad_gateup],
+        steps={**{k.name: [k.name] for k in (quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu,
+                                             dgrad_gateup)},
+               "forward": forward, "backward_data": backward_data},
         flops=twin.flops,
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
                    "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
