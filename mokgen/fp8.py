@@ -192,6 +192,15 @@ def _blockwise_matmul(a_q, a_s, b: FP8Weights) -> torch.Tensor:
     return (partial * s_a * s_b).sum(0)
 
 
+def _pairs_by_expert(topk_ids, experts: FP8Experts):
+    """(tokens, slots, pick) per expert with pairs, pick(p) its FP8Weights of a projection p."""
+    ids = topk_ids.long()
+    for e in range(experts.gate_up.values.shape[0]):
+        tok, slot = torch.where(ids == e)
+        if tok.numel():
+            yield tok, slot, lambda p, e=e: FP8Weights(p.values[e], p.scales[e])
+
+
 def moe_fp8_emulated(x, topk_ids, topk_weights, experts: FP8Experts) -> torch.Tensor:
     """The FP8 layer in float64 from its quantised operands (returns float64 [T, H]): for every
     (token, slot) pair with an id in range, w * (q(silu(q(x) Wg^T) * (q(x) Wu^T)) Wd^T), the
@@ -201,13 +210,7 @@ def moe_fp8_emulated(x, topk_ids, topk_weights, experts: FP8Experts) -> torch.Te
     if T == 0:
         return out
     xq, xs = quantize_rows(x)
-    ids = topk_ids.long()
-    E = experts.gate_up.values.shape[0]
-    for e in range(E):
-        tok, slot = torch.where(ids == e)
-        if tok.numel() == 0:
-            continue
-        pick = lambda p: FP8Weights(p.values[e], p.scales[e])  # noqa: E731
+    for tok, slot, pick in _pairs_by_expert(topk_ids, experts):
         hq, hs = swiglu_quantized(_blockwise_matmul(xq[tok], xs[tok], pick(experts.gate_up)))
         y = _blockwise_matmul(hq, hs, pick(experts.down)).to(torch.bfloat16).double()  # (y is stored in bf16)
         out.index_add_(0, tok, y * topk_weights.double()[tok, slot, None])
@@ -251,14 +254,8 @@ def moe_fp8_backward_data_emulated(dout, x, topk_ids, topk_weights, experts: FP8
         return dx, d_w
     xq, xs = quantize_rows(x)
     dq, ds = quantize_rows(dout)
-    ids = topk_ids.long()
-    E = experts.gate_up.values.shape[0]
-    for e in range(E):
-        tok, slot = torch.where(ids == e)
-        if tok.numel() == 0:
-            continue
-        pick = lambda p: FP8Weights(p.values[e], p.scales[e])  # noqa: E731
-        bf16 = lambda t: t.to(torch.bfloat16).double()  # noqa: E731  (the kernels store bf16)
+    bf16 = lambda t: t.to(torch.bfloat16).double()  # noqa: E731  (the kernels store bf16)
+    for tok, slot, pick in _pairs_by_expert(topk_ids, experts):
         a13 = bf16(_blockwise_matmul(xq[tok], xs[tok], pick(experts.gate_up)))
         g = bf16(_blockwise_matmul(dq[tok], ds[tok], pick(experts.down_t)))
         (dab_q, dab_s), dot = swiglu_backward_quantized(a13, g, topk_weights[tok, slot])

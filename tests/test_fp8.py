@@ -68,20 +68,27 @@ def test_blockwise_products_equal_the_dequantised_product():
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("routing", ["uniform", "dropped"])
-def test_the_emulated_fp8_layer_is_within_its_tolerance_of_the_reference(routing):
-    from mokgen.fp8 import FP8_TOLERANCE, moe_fp8_emulated, quantize_experts
-    from mokgen.reference import moe_reference, rel_error
-
+def small_layer(routing, seed):
+    """E8 K2 H512 I256, 96 tokens: the weights, x, ids and weights (dropped: token 0 and every
+    third token's first slot empty), and the generator."""
     E, K, H, I, T = 8, 2, 512, 256, 96
     wg, wu, wd = weights(E, I, H)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).bfloat16()
     w, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), K, -1)
     ids = ids.int()
     if routing == "dropped":
         ids[::3, 0] = -1
         ids[0] = -1
+    return wg, wu, wd, x, ids, w, g
+
+
+@pytest.mark.parametrize("routing", ["uniform", "dropped"])
+def test_the_emulated_fp8_layer_is_within_its_tolerance_of_the_reference(routing):
+    from mokgen.fp8 import FP8_TOLERANCE, moe_fp8_emulated, quantize_experts
+    from mokgen.reference import moe_reference, rel_error
+
+    wg, wu, wd, x, ids, w, _ = small_layer(routing, 3)
     out = moe_fp8_emulated(x, ids, w, quantize_experts(wg, wu, wd))
     ref = moe_reference(x, ids, w, wg, wu, wd)
     err = rel_error(out, ref)
@@ -192,16 +199,8 @@ def test_the_emulated_fp8_backward_data_is_within_its_tolerance_of_float64_autog
 
     a, b = torch.randn(3, 256), torch.randn(3, 256)
     assert all(torch.equal(p, q) for p, q in zip(split_gate_up(join_gate_up(a, b)), (a, b)))
-    E, K, H, I, T = 8, 2, 512, 256, 96
-    wg, wu, wd = weights(E, I, H)
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(T, H, generator=g).bfloat16()
-    dout = torch.randn(T, H, generator=g).bfloat16()
-    w, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), K, -1)
-    ids = ids.int()
-    if routing == "dropped":
-        ids[::3, 0] = -1
-        ids[0] = -1
+    wg, wu, wd, x, ids, w, g = small_layer(routing, 5)
+    dout = torch.randn(x.shape, generator=g).bfloat16()
     dx, dw = moe_fp8_backward_data_emulated(dout, x, ids, w, quantize_experts(wg, wu, wd))
     ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd)
     assert 0.03 < rel_error(dx, ref["dx"]) < FP8_TOLERANCE
