@@ -5,9 +5,12 @@ TFLOP/s over the routed rows. (The FP8 gate/up reads the rows of x already in di
 order and in e4m3; the bf16 one gathers them from x.)
 
     python benchmarks/fp8_gemm.py [--tokens 4096,16384] [--shape 64,8,2048,1024] [--layer-only]
-                                  [--json fp8.json] [--fp8-dir DIR]
+                                  [--backward] [--json fp8.json] [--fp8-dir DIR]
 
 --fp8-dir times the FP8 variant built in DIR (an experiment's overrides) instead of the default.
+--backward also times the FP8 backward's data gradients (Variant.backward_data_fp8: dx and
+d_topk_weights, recomputing the forward's products) against torch's bf16 autograd of the same
+gradients (the weights frozen, the forward's activations saved).
 
 The layer's line also times torch grouped_mm (bf16, mokgen/bench.py's baseline) in the same run.
 """
@@ -36,6 +39,7 @@ def main():
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--shape", default="64,8,2048,1024")
     ap.add_argument("--layer-only", action="store_true", help="time only the layers, not the GEMMs alone")
+    ap.add_argument("--backward", action="store_true", help="also time the FP8 backward's data gradients")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--fp8-dir", type=Path, help="the FP8 variant's directory (default: the built variant)")
     a = ap.parse_args()
@@ -50,6 +54,8 @@ def main():
         if not a.layer_only:
             rows += gemms(v8, vb, T, x, ids, wg, wu, wd, g)
         rows += layers(v8, T, x, ids, wg, wu, wd, g, 3 * fl)
+        if a.backward:
+            rows += backward_data(v8, T, x, ids, wg, wu, wd, g, fl)
         torch.cuda.empty_cache()
     if a.json:
         a.json.write_text(json.dumps(dict(shape=[E, K, H, I], gpu=gpu_state(), rows=rows), indent=1))
@@ -146,6 +152,27 @@ def layers(v8, T, x, ids, wg, wu, wd, g, flops):
           f"{ms['torch_grouped_mm'] / ms['mokgen_fp8']:.2f}x  ({st.get('sm_clock_mhz')} MHz, {st.get('power_w')} W)",
           flush=True)
     return [dict(T=T, impl=f"forward_{n}", ms=v, tflops=flops / v / 1e9) for n, v in ms.items()]
+
+
+def backward_data(v8, T, x, ids, wg, wu, wd, g, fl):
+    """dx and d_topk_weights: the FP8 backward (10 T K H I FLOPs with its recompute of the
+    gate/up products) against torch's autograd of the bf16 layer for the same two gradients
+    (6 T K H I: it saved the forward's activations)."""
+    from mokgen.fp8 import quantize_experts
+
+    E, K = wg.shape[0], ids.shape[1]
+    H, I = x.shape[1], wg.shape[1]
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    experts = quantize_experts(wg, wu, wd)
+    w13, _ = baseline_weights(wg, wu)
+    fp8 = timed(lambda: v8.backward_data_fp8(dout, x, ids, w, experts))
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    out = torch_grouped_mm(xr, ids, wr, w13, wd, I, None)
+    torch_ms = timed(lambda: torch.autograd.grad(out, (xr, wr), dout, retain_graph=True), 3, 10)
+    print(f"E{E} K{K} H{H} I{I} T={T}: backward dx, d_topk_weights fp8 {fp8:.3f} ms ({10 * fl / 2 / fp8 / 1e9:.0f} "
+          f"TFLOP/s)  torch grouped_mm autograd {torch_ms:.3f} ms  fp8 / torch {torch_ms / fp8:.2f}x", flush=True)
+    return [dict(T=T, impl="backward_data_fp8", ms=fp8), dict(T=T, impl="backward_data_torch_grouped_mm", ms=torch_ms)]
 
 
 if __name__ == "__main__":
