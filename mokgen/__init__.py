@@ -4,7 +4,8 @@
     -> ahead-of-time compiled kernels -> torch ops (runtime)
 
 Public API: MoESpec, load, moe (differentiable), route, moe_routed (route + moe, one launch
-where it can), moe_fp8 (FP8 experts, forward), check_errors, MoE (an nn.Module).
+where it can), moe_fp8 (FP8 experts; differentiable in x and the routing weights), check_errors,
+MoE (an nn.Module).
 """
 __version__ = "0.1.0"
 
@@ -28,7 +29,7 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
 
 def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids=True):
     """The layer with FP8 experts (mokgen.fp8.quantize_experts): e4m3 with block scales, bf16 out;
-    one GPU, forward only (see mokgen.runtime.moe_fp8)."""
+    one GPU; differentiable in x and topk_weights, the experts frozen (see mokgen.runtime.moe_fp8)."""
     from .runtime import moe_fp8 as _moe_fp8
 
     return _moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids)

@@ -313,3 +313,28 @@ def test_fp8_backward_data_golden(shape, T, routing):
     # pairs, 30 seeds); the emulation comparison above is what checks the kernels there.
     if pairs >= 256:
         assert gradient_error("d_topk_weights", dw, ref["d_topk_weights"], scale) <= FP8_TOLERANCE
+
+
+@pytest.mark.parametrize("routing", ["uniform", "dropped"])
+@pytest.mark.parametrize("T", [7, 1000])
+def test_moe_fp8_autograd_gives_the_fp8_backward_data_gradients(T, routing):
+    """mokgen.moe_fp8 under autograd: x.grad and topk_weights.grad are the FP8 backward's data
+    gradients (against their float64 emulation within REQUANTIZED_TOLERANCE); the FP8 experts
+    are frozen (no gradient reaches them)."""
+    import mokgen
+    from mokgen.fp8 import REQUANTIZED_TOLERANCE, moe_fp8_backward_data_emulated, quantize_experts
+    from mokgen.reference import rel_error
+    from mokgen.verify import dot_error_scales, gradient_error
+
+    shape = FP8_SHAPES[1]
+    _, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, T, routing, T * 31 + len(routing))
+    experts = quantize_experts(wg, wu, wd)
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = mokgen.moe_fp8(xr, ids, wr, experts)
+    assert out.requires_grad and torch.equal(out.detach(), mokgen.moe_fp8(x, ids, w, experts))
+    out.backward(dout)
+    emu_dx, emu_dw = moe_fp8_backward_data_emulated(dout, x, ids, w, experts)
+    assert rel_error(xr.grad, emu_dx.to(torch.bfloat16).double()) <= REQUANTIZED_TOLERANCE
+    scale = dot_error_scales(dout, x, ids, wg, wu, wd)
+    assert gradient_error("d_topk_weights", wr.grad, emu_dw, scale) <= REQUANTIZED_TOLERANCE

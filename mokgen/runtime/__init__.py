@@ -178,8 +178,12 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
 def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True):
     """The layer with FP8 experts (docs/fp8.md): experts = mokgen.fp8.quantize_experts(w_gate,
     w_up, w_down); x bf16 is quantised per 1 x 128 block of each routed row inside the layer,
-    h likewise in the gate/up GEMM's epilogue; bf16 out. One GPU, forward only, no shared
-    expert. Checks as mokgen.moe (ids in [0, E) or -1)."""
+    h likewise in the gate/up GEMM's epilogue; bf16 out. One GPU, no shared expert. Checks as
+    mokgen.moe (ids in [0, E) or -1).
+
+    Differentiable in x and topk_weights (the generated FP8 backward's data gradients,
+    recomputing the forward's products; nothing is saved but the inputs): the experts are
+    frozen, as the FP8 weight gradients are not generated yet."""
     from ..fp8 import BLOCK, FP8Experts
 
     if not isinstance(experts, FP8Experts):
@@ -210,8 +214,6 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True):
                              f"{list(w.scales.shape)}")
         if w.values.device != x.device or w.scales.device != x.device:
             raise InputError(f"experts.{name} is on {w.values.device}, x is on {x.device}: all inputs must be on one GPU")
-    if _needs_grad(x, topk_weights):
-        raise NotImplementedError("the FP8 layer has no backward yet: call it under torch.no_grad()")
     K = topk_ids.shape[1]
     try:
         v = _find_built(dict(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8", world_size=1)) or \
@@ -222,7 +224,28 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True):
         raise
     if check_ids:
         check_ids_in_range(topk_ids, E, x)
+    if _needs_grad(x, topk_weights):
+        return _MoEFP8.apply(x, topk_weights, topk_ids, experts, v)
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
+
+
+class _MoEFP8(torch.autograd.Function):
+    """mokgen.moe_fp8 under autograd: the forward's FP8 kernels, then the FP8 backward's data
+    gradients (Variant.backward_data_fp8: dx and d_topk_weights). The experts get none."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_ids, experts, variant):
+        ctx.save_for_backward(x, topk_weights, topk_ids)
+        ctx.experts, ctx.variant = experts, variant
+        return variant.forward_fp8(x, topk_ids, topk_weights, experts)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, topk_weights, topk_ids = ctx.saved_tensors
+        dout = dout.to(torch.bfloat16).contiguous()
+        dx, d_weights = ctx.variant.backward_data_fp8(dout, x, topk_ids, topk_weights, ctx.experts)
+        return (dx if ctx.needs_input_grad[0] else None, d_weights if ctx.needs_input_grad[1] else None,
+                None, None, None)
 
 
 def _needs_grad(*params) -> bool:
