@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import mokgen
-from mokgen.bench import baseline_weights, gpu_state, time_ms as timed
+from mokgen.bench import baseline_weights, dense_peak_tflops, gpu_state, time_ms as timed
 from mokgen.module import torch_grouped_mm
 from mokgen.fp8 import interleave_gate_up, quantize_blocks, quantize_rows
 from mokgen.ir import MoESpec
@@ -44,6 +44,9 @@ def main():
     ap.add_argument("--fp8-dir", type=Path, help="the FP8 variant's directory (default: the built variant)")
     a = ap.parse_args()
     rows = []
+    peaks = dict(bf16=dense_peak_tflops(), e4m3=e4m3_peak_tflops())
+    print(f"measured dense GEMM peaks (8192^3): bf16 {peaks['bf16']:.0f} TFLOP/s, e4m3 "
+          + (f"{peaks['e4m3']:.0f} TFLOP/s" if peaks["e4m3"] else "n/a (torch._scaled_mm unavailable)"), flush=True)
     E, K, H, I = (int(s) for s in a.shape.split(","))
     v8 = mokgen.load(a.fp8_dir or MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8"))
     vb = mokgen.load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I))
@@ -57,8 +60,29 @@ def main():
         if a.backward:
             rows += backward_data(v8, T, x, ids, wg, wu, wd, g, fl)
         torch.cuda.empty_cache()
+    print(f"{'impl':32s} {'T':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'% of dense peak':>16s}")
+    for r in rows:  # % of the measured dense peak of the dtype the implementation computes in
+        peak = peaks["e4m3" if "fp8" in r["impl"] else "bf16"]
+        if peak and "tflops" in r:
+            r["pct_of_dense_peak"] = 100.0 * r["tflops"] / peak
+        print(f"{r['impl']:32s} {r['T']:6d} {r['ms']:8.3f} {r.get('tflops', float('nan')):8.0f} "
+              f"{r.get('pct_of_dense_peak', float('nan')):15.0f}%")
     if a.json:
-        a.json.write_text(json.dumps(dict(shape=[E, K, H, I], gpu=gpu_state(), rows=rows), indent=1))
+        a.json.write_text(json.dumps(dict(shape=[E, K, H, I], gpu=gpu_state(), dense_peak_tflops=peaks, rows=rows),
+                                     indent=1))
+
+
+def e4m3_peak_tflops():
+    """A dense 8192^3 e4m3 GEMM (torch._scaled_mm, fp32 accumulation, bf16 out): the e4m3
+    ceiling measured in the same run; None where this torch cannot run it."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    try:
+        return 2 * n ** 3 / timed(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16), 10, 30) / 1e9
+    except (RuntimeError, TypeError):
+        return None
 
 
 def gemms(v8, vb, T, x, ids, wg, wu, wd, g):
@@ -172,7 +196,8 @@ def backward_data(v8, T, x, ids, wg, wu, wd, g, fl):
     torch_ms = timed(lambda: torch.autograd.grad(out, (xr, wr), dout, retain_graph=True), 3, 10)
     print(f"E{E} K{K} H{H} I{I} T={T}: backward dx, d_topk_weights fp8 {fp8:.3f} ms ({10 * fl / 2 / fp8 / 1e9:.0f} "
           f"TFLOP/s)  torch grouped_mm autograd {torch_ms:.3f} ms  fp8 / torch {torch_ms / fp8:.2f}x", flush=True)
-    return [dict(T=T, impl="backward_data_fp8", ms=fp8), dict(T=T, impl="backward_data_torch_grouped_mm", ms=torch_ms)]
+    return [dict(T=T, impl="backward_data_fp8", ms=fp8, tflops=5 * fl / fp8 / 1e9),
+            dict(T=T, impl="backward_data_torch_grouped_mm", ms=torch_ms, tflops=3 * fl / torch_ms / 1e9)]
 
 
 if __name__ == "__main__":

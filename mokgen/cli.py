@@ -248,11 +248,11 @@ def profile(variant, tokens, routing, png, json_path):
 def verify(variant, tokens, routing):
     """Golden-test a built variant on the GPU against the float64 reference: the forward,
     and every gradient of the backward where the variant has one (an FP8 variant: its forward
-    against the float64 emulation of the same quantised operands)."""
+    and its backward's data gradients against the float64 emulation of the same quantisation)."""
     import torch
 
     from . import load
-    from .verify import TOLERANCE, check_backward, check_forward, check_forward_fp8
+    from .verify import TOLERANCE, check_backward, check_backward_data_fp8, check_forward, check_forward_fp8
 
     toks = parse_tokens(tokens)
     if not torch.cuda.is_available():
@@ -266,16 +266,16 @@ def verify(variant, tokens, routing):
             bad += not res.ok
             click.echo(f"{v.name} T={T:<6d} {r:8s} forward  rel_err={res.rel_error:.3e}{' vs emulation' if fp8 else ''} "
                        f"{'unwritten rows ' if res.unwritten else ''}{'ok' if res.ok else 'FAIL'}")
-            if v.has_backward:
-                b = check_backward(v, T, r.strip())
+            if v.has_backward or "backward_data" in v.plan["steps"]:
+                b = (check_backward_data_fp8 if fp8 else check_backward)(v, T, r.strip())
                 bad += not b.ok
                 worst = max(b.rel_errors, key=b.rel_errors.get)
                 click.echo(f"{v.name} T={T:<6d} {r:8s} backward worst rel_err={b.rel_errors[worst]:.3e} ({worst}) "
                            f"{'unwritten: ' + ','.join(b.unwritten) + ' ' if b.unwritten else ''}"
                            f"{'ok' if b.ok else 'FAIL'}")
-    from .fp8 import EMULATION_TOLERANCE
+    from .fp8 import REQUANTIZED_TOLERANCE
 
-    tolerance = EMULATION_TOLERANCE if v.spec.dtype == "fp8" else TOLERANCE
+    tolerance = REQUANTIZED_TOLERANCE if v.spec.dtype == "fp8" else TOLERANCE
     click.echo(f"{'all passed' if not bad else f'{bad} failed'} (tolerance {tolerance})")
     sys.exit(1 if bad else 0)
 

@@ -108,6 +108,33 @@ def check_forward_fp8(variant, tokens: int, routing: str, gen=None) -> CheckResu
     return CheckResult(tokens, routing, rel_error(out, emulated), bool(torch.isnan(out).any()), REQUANTIZED_TOLERANCE)
 
 
+def check_backward_data_fp8(variant, tokens: int, routing: str, gen=None) -> "BackwardResult":
+    """An FP8 variant's backward data gradients (Variant.backward_data_fp8: dx, d_topk_weights;
+    poisoned) against their float64 emulation (mokgen/fp8.py: REQUANTIZED_TOLERANCE, as [da |
+    db] is quantised again). The result's torch_errors are the tolerance itself (no PyTorch
+    counterpart of this quantisation), so `ok` means within it."""
+    import dataclasses
+
+    from .fp8 import REQUANTIZED_TOLERANCE, moe_fp8_backward_data_emulated, quantize_experts
+
+    x, ids, w, wg, wu, wd, _ = make_inputs(dataclasses.replace(variant.spec, dtype="bf16"), tokens, routing, gen)
+    dout = torch.randn(x.shape, device=x.device, generator=gen).to(x.dtype)
+    experts = quantize_experts(wg, wu, wd)
+    variant.poison = True
+    try:
+        dx, dw = variant.backward_data_fp8(dout, x, ids, w, experts)
+    finally:
+        variant.poison = False
+    torch.cuda.synchronize()
+    emu_dx, emu_dw = moe_fp8_backward_data_emulated(dout, x, ids, w, experts)
+    scale = dot_error_scales(dout, x, ids, wg, wu, wd)
+    errors = {"dx": rel_error(dx, emu_dx.to(torch.bfloat16).double()),
+              "d_topk_weights": gradient_error("d_topk_weights", dw, emu_dw, scale)}
+    return BackwardResult(tokens, routing, errors, [k for k, t in (("dx", dx), ("d_topk_weights", dw))
+                                                    if torch.isnan(t).any()],
+                          {k: REQUANTIZED_TOLERANCE / TORCH_SLACK for k in errors}, REQUANTIZED_TOLERANCE)
+
+
 GRADIENTS = ("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down")
 SHARED_GRADIENTS = ("d_ws_gate", "d_ws_up", "d_ws_down")
 # Above the bf16 bound, a gradient still passes when within this factor of PyTorch's bf16 error.
@@ -121,6 +148,7 @@ class BackwardResult:
     rel_errors: dict  # gradient name -> relative error against float64 autograd
     unwritten: list  # gradients holding NaN (an unwritten element: outputs start poisoned)
     torch_errors: dict  # the same for PyTorch's bf16 autograd (torch grouped_mm) on the same inputs
+    tolerance: float = TOLERANCE  # the bound a gradient must keep (or stay within TORCH_SLACK of torch's)
 
     @property
     def failures(self) -> dict:
@@ -129,7 +157,8 @@ class BackwardResult:
         gradients: d_topk_weights of a few tokens holds a few dot products of thousands of
         bf16 terms, whose relative error has a heavy tail (a dot near zero) for any bf16
         implementation."""
-        return {k: e for k, e in self.rel_errors.items() if e > TOLERANCE and e > TORCH_SLACK * self.torch_errors[k]}
+        return {k: e for k, e in self.rel_errors.items()
+                if e > self.tolerance and e > TORCH_SLACK * self.torch_errors[k]}
 
     @property
     def ok(self) -> bool:
