@@ -104,6 +104,17 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(w.shape), scale.reshape(*lead, N // BLOCK, K // BLOCK)
 
 
+def quantize_cols(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, N] (M a multiple of 128) -> (e4m3 [M / 128, N, 128], fp32 scales [M / 128, N]):
+    one scale per 128-row block of each column, the block's values contiguous (K-major for a
+    GEMM that contracts over the rows: the weight gradients; templates/quantize_cols_fp8.py.j2)."""
+    M, N = rows.shape
+    if M % BLOCK:
+        raise FP8Error(f"the rows ({M}) must be a multiple of {BLOCK} for {BLOCK} x 1 blocks")
+    q, s = quantize_rows(rows.reshape(M // BLOCK, BLOCK, N).transpose(1, 2).contiguous())
+    return q, s.squeeze(-1)
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
     K = q.shape[-1]
     return (q.to(dtype).reshape(*q.shape[:-1], K // BLOCK, BLOCK) * scale.to(dtype)[..., None]).reshape(q.shape)

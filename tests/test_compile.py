@@ -304,7 +304,9 @@ def test_fp8_gemms_compile_to_qgmma_without_spills(tmp_path):
             assert not any(op in sass for op in ("LDL", "STL")), f"{name}: local-memory traffic (spills)"
             if name == "gemm_gateup_fp8":
                 assert "F2FP.SATFINITE.E4M3.F32" in sass, "h is not converted to e4m3"
-    cubin = path / "build" / "quantize_rows_fp8.cubin"
-    if tool:
-        sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
-        assert "F2FP.SATFINITE.E4M3.F32" in sass and not any(op in sass for op in ("LDL", "STL"))
+    for name in ("quantize_rows_fp8", "quantize_x_t_fp8", "swiglu_backward_fp8"):
+        cubin = path / "build" / f"{name}.cubin"
+        assert cubin.exists(), name
+        if tool:
+            sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
+            assert "F2FP.SATFINITE.E4M3.F32" in sass and not any(op in sass for op in ("LDL", "STL")), name

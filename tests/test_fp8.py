@@ -208,3 +208,21 @@ def test_the_emulated_fp8_backward_data_is_within_its_tolerance_of_float64_autog
     assert 0.01 < err < FP8_TOLERANCE
     if routing == "dropped":
         assert (dx[0] == 0).all() and (dw[ids < 0] == 0).all()
+
+
+def test_quantize_cols_blocks_each_columns_128_rows_contiguously():
+    """quantize_cols: one scale per 128-row block of a column, the block's e4m3 values
+    contiguous ([M / 128, N, 128]), each block exactly quantize_rows of that column slice."""
+    from mokgen.fp8 import FP8Error, dequantize_rows, quantize_cols, quantize_rows
+
+    rows = torch.randn(256, 384, generator=torch.Generator().manual_seed(7))
+    rows[128:, 3] = 0.0  # an all-zero block: scale 1
+    q, s = quantize_cols(rows)
+    assert q.shape == (2, 384, 128) and s.shape == (2, 384) and s[1, 3] == 1.0
+    for m, n in ((0, 0), (1, 5), (1, 383)):
+        qq, ss = quantize_rows(rows[128 * m:128 * (m + 1), n][None])
+        assert torch.equal(q[m, n].view(torch.uint8), qq[0].view(torch.uint8)) and s[m, n] == ss[0, 0]
+    back = dequantize_rows(q, s[..., None]).transpose(1, 2).reshape(256, 384)
+    assert (back - rows.double()).norm() / rows.norm() < 0.04
+    with pytest.raises(FP8Error, match="multiple of 128"):
+        quantize_cols(rows[:100])

@@ -64,6 +64,21 @@ def row_layout(ids, E, tile_m=128):
     return rows + tile_m, torch.tensor(tile_expert + [-1], dtype=torch.int32), row_expert
 
 
+def pair_rows(ids, row_expert, E):
+    """dispatch's tables for a routing: row_token [rows] (each expert's pairs in (token, slot)
+    order from its first row; -1 on padding rows) and pos [T, K] (the pairs' rows; left
+    unwritten, -7 here, for pairs without a row: kernels must not read it for them)."""
+    row_token = torch.full((len(row_expert),), -1, dtype=torch.int32)
+    pos = torch.full(tuple(ids.shape), -7, dtype=torch.int32)
+    for e in range(E):
+        pairs = (ids.cpu() == e).nonzero()
+        if pairs.numel():
+            first = (row_expert == e).nonzero()[0, 0].item()
+            row_token[first:first + len(pairs)] = pairs[:, 0].to(torch.int32)
+            pos[pairs[:, 0], pairs[:, 1]] = torch.arange(first, first + len(pairs), dtype=torch.int32)
+    return row_token.cuda(), pos.cuda()
+
+
 def check_plain_gemm(v, entry, names, a, weights, tile_expert):
     """Run one of the plain FP8 GEMMs (bf16 C = A @ B[e]^T per used M tile, templates/
     grouped_gemm_fp8.py.j2) on A [rows, K] (float; padding rows zero), quantised per row, and
@@ -199,22 +214,10 @@ def test_quantize_rows_fp8_golden(shape, T, routing):
     E, K, H, I = shape
     v, (x, ids, _, _, _, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
                                                                                  T * 13 + len(routing))
-    # the rows' tokens and the pairs' rows: each expert's pairs in (token, slot) order, as
-    # dispatch places them (pos is left unwritten, -7 here, for pairs without a row: the
-    # kernel must not read it for them)
-    row_token = torch.full((rows,), -1, dtype=torch.int32)
-    pos = torch.full(tuple(ids.shape), -7, dtype=torch.int32)
-    for e in range(E):
-        pairs = (ids.cpu() == e).nonzero()
-        start = (row_expert == e).nonzero()
-        if pairs.numel():
-            first = start[0, 0].item()
-            row_token[first:first + len(pairs)] = pairs[:, 0].to(torch.int32)
-            pos[pairs[:, 0], pairs[:, 1]] = torch.arange(first, first + len(pairs), dtype=torch.int32)
-    row_token = row_token.cuda()
+    row_token, pos = pair_rows(ids, row_expert, E)
     xq = torch.full((rows, H), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     xs = torch.full((rows, H // 128), float("nan"), device="cuda")
-    v.run("quantize_rows_fp8", dict(x=x, topk_ids=ids, pos=pos.cuda(), row_token=row_token,
+    v.run("quantize_rows_fp8", dict(x=x, topk_ids=ids, pos=pos, row_token=row_token,
                                     tile_expert=tile_expert.cuda(), x_rows_q=xq, x_rows_scales=xs),
           torch.device("cuda"))
     torch.cuda.synchronize()
@@ -338,3 +341,33 @@ def test_moe_fp8_autograd_gives_the_fp8_backward_data_gradients(T, routing):
     assert rel_error(xr.grad, emu_dx.to(torch.bfloat16).double()) <= REQUANTIZED_TOLERANCE
     scale = dot_error_scales(dout, x, ids, wg, wu, wd)
     assert gradient_error("d_topk_weights", wr.grad, emu_dw, scale) <= REQUANTIZED_TOLERANCE
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
+@pytest.mark.parametrize("T", [1, 1000, 4096])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+def test_quantize_cols_fp8_golden(shape, T, routing):
+    """The weight gradients' operand copies (quantize_x_t_fp8, quantize_dout_t_fp8): x's routed
+    rows, gathered, in e4m3 with one scale per 128-row block of each column, each block's
+    values contiguous: bit for bit mokgen.fp8.quantize_cols of those rows (zeros on padding
+    rows), in every used M tile."""
+    from mokgen.fp8 import quantize_cols
+
+    E, K, H, I = shape
+    v, (x, ids, _, _, _, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
+                                                                                 T * 37 + len(routing))
+    row_token, _ = pair_rows(ids, row_expert, E)
+    mt = tile_expert.shape[0]
+    src = torch.where((row_token >= 0)[:, None], x[row_token.clamp(min=0).long()].float(), 0.0)
+    want_q, want_s = quantize_cols(src)
+    used = (tile_expert >= 0).cuda()
+    for entry, name in (("quantize_x_t_fp8", "x"), ("quantize_dout_t_fp8", "dout")):
+        out = "xt" if name == "x" else "doutt"
+        q = torch.full((mt, H, 128), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+        s = torch.full((mt, H), float("nan"), device="cuda")
+        v.run(entry, {name: x, "row_token": row_token, "tile_expert": tile_expert.cuda(), f"{out}_q": q,
+                      f"{out}_scales": s}, torch.device("cuda"))
+        torch.cuda.synchronize()
+        assert not torch.isnan(s[used]).any(), f"{entry}: unwritten scales"
+        assert torch.equal(s[used], want_s[used]), f"{entry}: scales"
+        assert torch.equal(q[used].view(torch.uint8), want_q[used].view(torch.uint8)), f"{entry}: e4m3 values"

@@ -236,10 +236,28 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         grid=f"(ceil(M/{swiglu_threads // 32}),)", block=swiglu_threads,
         warp_roles=["each warp: one row (pair): <g, h> for the routing weight's gradient, da and db in e4m3 per "
                     "1 x 128 block of the interleaved columns"])
+    # The weight gradients' operands (entry points; the weight-gradient GEMMs are not generated
+    # yet): rows in e4m3 with one scale per 128-row block of each column, K-major per M tile.
+    def quantize_cols(name, src, cols, out):
+        return KernelPlan(
+            name=name, stage="bwd_quantize", module=name, template="quantize_cols_fp8.py.j2", entry="main",
+            params=dict(name=name, cols=cols, threads=FP8_BLOCK, tile_m=FP8_TILE_M, e4m3_max=E4M3_MAX, gather=True),
+            args=[KernelArg("src", src, "bf16", ["T", cols]),
+                  KernelArg("row_token", "row_token", "i32", ["M"]),
+                  KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                  KernelArg("out_q", f"{out}_q", "e4m3", ["MT", cols, FP8_TILE_M]),
+                  KernelArg("out_scales", f"{out}_scales", "f32", ["MT", cols])],
+            grid=f"(MT, {cols // FP8_BLOCK})", block=FP8_BLOCK,
+            warp_roles=[f"one CTA per (M tile, {FP8_BLOCK} columns), one column per thread: its 128 rows' amax, then "
+                        "e4m3, 4 rows to a store"])
+
+    quantize_x_t = quantize_cols("quantize_x_t_fp8", "x", H, "xt")
+    quantize_dout_t = quantize_cols("quantize_dout_t_fp8", "dout", H, "doutt")
     keep = ("dispatch_count", "dispatch_scatter", "combine", "bwd_combine")
     kernels = [k for k in twin.kernels if k.name in keep]
     bound = {a.tensor for k in kernels for a in k.args}
     rows = next(b for b in twin.buffers if b.name == "y").shape[0]  # dispatch's padded rows, a function of T
+    m_tiles = next(b for b in twin.buffers if b.name == "tile_expert").shape[0]
     buffers = [b for b in twin.buffers if b.name in bound] + [
         Buffer("x_rows_q", "e4m3", [rows, str(H)]), Buffer("x_rows_scales", "f32", [rows, str(H // FP8_BLOCK)]),
         Buffer("h_q", "e4m3", [rows, str(I)]), Buffer("h_scales", "f32", [rows, str(I // FP8_BLOCK)]),
@@ -247,7 +265,10 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         Buffer("dy_q", "e4m3", [rows, str(H)]), Buffer("dy_scales", "f32", [rows, str(H // FP8_BLOCK)]),
         Buffer("dh", "bf16", [rows, str(I)]),
         Buffer("dab_q", "e4m3", [rows, str(2 * I)]), Buffer("dab_scales", "f32", [rows, str(2 * I // FP8_BLOCK)]),
-        Buffer("a13", "bf16", [rows, str(2 * I)])]  # (dxs, the gate/up dgrad's rows, is the twin's)
+        Buffer("a13", "bf16", [rows, str(2 * I)]),  # (dxs, the gate/up dgrad's rows, is the twin's)
+        Buffer("xt_q", "e4m3", [m_tiles, str(H), str(FP8_TILE_M)]), Buffer("xt_scales", "f32", [m_tiles, str(H)]),
+        Buffer("doutt_q", "e4m3", [m_tiles, str(H), str(FP8_TILE_M)]),
+        Buffer("doutt_scales", "f32", [m_tiles, str(H)])]
     forward = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "gemm_gateup_fp8", "gemm_down_fp8",
                "combine"]
     # The data gradients (dx, d_topk_weights) from dout, recomputing the forward's products
@@ -260,9 +281,9 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
         buffers=buffers,
         kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:] + [quantize_dout, recompute, dgrad_down, swiglu,
-                                                                        dgrad_gateup],
+                                                                        dgrad_gateup, quantize_x_t, quantize_dout_t],
         steps={**{k.name: [k.name] for k in (quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu,
-                                             dgrad_gateup)},
+                                             dgrad_gateup, quantize_x_t, quantize_dout_t)},
                "forward": forward, "backward_data": backward_data},
         flops=twin.flops,
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
