@@ -115,6 +115,22 @@ def quantize_cols(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s.squeeze(-1)
 
 
+def wgrad_emulated(a_t: tuple, b_t: tuple, tile_expert: torch.Tensor, experts: int) -> torch.Tensor:
+    """The FP8 weight-gradient GEMM (templates/grouped_gemm_fp8_wgrad.py.j2) in float64: a_t, b_t
+    the transposed operands (quantize_cols: e4m3 [MT, N, 128], scales [MT, N]) of rows in
+    dispatch's layout; per expert e, the sum over its M tiles t (tile_expert[t] = e) of the
+    tile's product A_t^T-blocks @ B_t, each operand times its per-column scales (promoted per
+    tile). Returns [experts, N1, N2]; an expert without tiles gets zeros."""
+    (aq, as_), (bq, bs) = a_t, b_t
+    out = torch.zeros(experts, aq.shape[1], bq.shape[1], dtype=torch.float64, device=aq.device)
+    for t, e in enumerate(tile_expert.tolist()):
+        if e >= 0:
+            a = aq[t].double() * as_[t].double()[:, None]  # [N1, 128]
+            b = bq[t].double() * bs[t].double()[:, None]  # [N2, 128]
+            out[e] += a @ b.t()
+    return out
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
     K = q.shape[-1]
     return (q.to(dtype).reshape(*q.shape[:-1], K // BLOCK, BLOCK) * scale.to(dtype)[..., None]).reshape(q.shape)

@@ -295,7 +295,8 @@ def test_fp8_gemms_compile_to_qgmma_without_spills(tmp_path):
     path = build(MoESpec(experts=8, topk=2, hidden=1024, intermediate=512, dtype="fp8"), tmp_path, log=lambda m: None)
     assert (path / "build" / "libmokgen.so").exists()
     tool = nvdisasm()
-    for name in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8"):
+    for name in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8",
+                 "wgrad_down_fp8", "wgrad_gateup_fp8"):
         cubin = path / "build" / f"{name}.cubin"
         assert cubin.exists(), name
         if tool:

@@ -226,3 +226,23 @@ def test_quantize_cols_blocks_each_columns_128_rows_contiguously():
     assert (back - rows.double()).norm() / rows.norm() < 0.04
     with pytest.raises(FP8Error, match="multiple of 128"):
         quantize_cols(rows[:100])
+
+
+def test_wgrad_emulation_is_the_blockwise_product_over_each_experts_rows():
+    """wgrad_emulated: per expert, (its rows of A, dequantised)^T @ (its rows of B, dequantised),
+    in float64; zeros for an expert without M tiles."""
+    from mokgen.fp8 import dequantize_rows, quantize_cols, wgrad_emulated
+
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(384, 256, generator=g), torch.randn(384, 128, generator=g)
+    tile_expert = torch.tensor([0, 0, 2], dtype=torch.int32)
+    a_t, b_t = quantize_cols(a), quantize_cols(b)
+    got = wgrad_emulated(a_t, b_t, tile_expert, 3)
+
+    def rows(t):  # the dequantised rows back in [M, N]
+        return dequantize_rows(t[0], t[1][..., None]).transpose(1, 2).reshape(-1, t[0].shape[1])
+
+    da, db = rows(a_t), rows(b_t)
+    assert torch.allclose(got[0], da[:256].t() @ db[:256], rtol=1e-12, atol=1e-9)
+    assert torch.allclose(got[2], da[256:].t() @ db[256:], rtol=1e-12, atol=1e-9)
+    assert not got[1].any()

@@ -371,3 +371,37 @@ def test_quantize_cols_fp8_golden(shape, T, routing):
         assert not torch.isnan(s[used]).any(), f"{entry}: unwritten scales"
         assert torch.equal(s[used], want_s[used]), f"{entry}: scales"
         assert torch.equal(q[used].view(torch.uint8), want_q[used].view(torch.uint8)), f"{entry}: e4m3 values"
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
+@pytest.mark.parametrize("T", [1, 1000, 4096])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+@pytest.mark.parametrize("which", ["down", "gateup"])
+def test_wgrad_gemms_fp8_golden(shape, T, routing, which):
+    """The FP8 weight-gradient GEMMs: per expert, the sum over its M tiles of the transposed
+    operands' tile products (rows in e4m3 with one scale per 128-row block of each column),
+    poisoned C: against wgrad_emulated rounded to bf16 within EMULATION_TOLERANCE, and zeros
+    for an expert without rows."""
+    from mokgen.fp8 import EMULATION_TOLERANCE, quantize_cols, wgrad_emulated
+    from mokgen.reference import rel_error
+
+    E, K, H, I = shape
+    v, (_, ids, _, _, _, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
+                                                                                 T * 41 + len(routing))
+    n1, n2, a, b, c = (H, I, "doutt", "hwt", "d_w_down") if which == "down" else (2 * I, H, "dabt", "xt", "d_w13")
+    real = (row_expert >= 0).cuda()[:, None]
+    a_rows = torch.where(real, torch.randn(rows, n1, device="cuda", generator=g), 0.0)
+    b_rows = torch.where(real, torch.randn(rows, n2, device="cuda", generator=g), 0.0)
+    a_t, b_t = quantize_cols(a_rows), quantize_cols(b_rows)
+    out = torch.full((E * n1, n2), float("nan"), dtype=torch.bfloat16, device="cuda")
+    v.run(f"wgrad_{which}_fp8", {f"{a}_q": a_t[0], f"{a}_scales": a_t[1], f"{b}_q": b_t[0], f"{b}_scales": b_t[1],
+                                 "tile_expert": tile_expert.cuda(), "tile_counters": tile_counters(v), c: out},
+          torch.device("cuda"))
+    torch.cuda.synchronize()
+    got = out.view(E, n1, n2)
+    assert not torch.isnan(got.float()).any(), "unwritten tiles"
+    want = wgrad_emulated(a_t, b_t, tile_expert, E)
+    empty = [e for e in range(E) if not (tile_expert == e).any()]
+    assert all(not got[e].any() for e in empty), "an expert without rows got a non-zero gradient"
+    err = rel_error(got, want.to(torch.bfloat16).double())
+    assert err <= EMULATION_TOLERANCE, f"relative error {err:.2e} against the bf16-rounded emulation"

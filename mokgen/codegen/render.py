@@ -43,7 +43,8 @@ def _context_key(template: str) -> str:
     return {"grouped_gemm_persistent.py.j2": "k", "dispatch.py.j2": "d", "dispatch_chunked.py.j2": "d",
             "combine.py.j2": "c", "route.py.j2": "r", "route_backward.py.j2": "r", "swiglu_backward.py.j2": "s",
             "ep_exchange.py.j2": "p", "grouped_gemm_fp8.py.j2": "k", "quantize_rows_fp8.py.j2": "q",
-            "swiglu_backward_fp8.py.j2": "s", "quantize_cols_fp8.py.j2": "q"}[template]
+            "swiglu_backward_fp8.py.j2": "s", "quantize_cols_fp8.py.j2": "q",
+            "grouped_gemm_fp8_wgrad.py.j2": "k"}[template]
 
 
 def _includes(k: KernelPlan) -> list[str]:
@@ -51,8 +52,9 @@ def _includes(k: KernelPlan) -> list[str]:
     ep_rows = k.template == "ep_exchange.py.j2" or k.params.get("ep_return") or k.params.get("send_in_gemm")
     phases = k.template == "dispatch.py.j2" or k.params.get("dispatch")
     route = k.template in ("route.py.j2", "route_backward.py.j2") or k.params.get("route")
+    fp8_units = k.template in ("grouped_gemm_fp8.py.j2", "grouped_gemm_fp8_wgrad.py.j2")
     return (["ep_rows.py.j2"] if ep_rows else []) + (["dispatch_phases.py.j2"] if phases else []) \
-        + (["route_phases.py.j2"] if route else [])
+        + (["route_phases.py.j2"] if route else []) + (["fp8_units.py.j2"] if fp8_units else [])
 
 
 def _shim_kernel(k: KernelPlan) -> dict:

@@ -115,7 +115,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     twin_gemms = {k.name: k for k in twin.kernels}
     n_counters = int(next(b for b in twin.buffers if b.name == "tile_counters").shape[0])
     twin_of = {"gemm_gateup_fp8": "gemm_gateup", "gemm_down_fp8": "gemm_down", "bwd_recompute_fp8": "bwd_recompute",
-               "bwd_dgrad_down_fp8": "bwd_dgrad_down", "bwd_dgrad_gateup_fp8": "bwd_dgrad_gateup"}
+               "bwd_dgrad_down_fp8": "bwd_dgrad_down", "bwd_dgrad_gateup_fp8": "bwd_dgrad_gateup",
+               "wgrad_down_fp8": "wgrad_down", "wgrad_gateup_fp8": "wgrad_gate"}
     sched = {name: dict(sched_slot=twin_gemms[bf16].params["sched_slot"], sched_stages=FP8_SCHED_STAGES)
              for name, bf16 in twin_of.items()}
     gateup_cluster, why_gateup_cluster = cluster_n("gemm_gateup_fp8", I // FP8_BLOCK, overrides)
@@ -251,6 +252,34 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
             warp_roles=[f"one CTA per (M tile, {FP8_BLOCK} columns), one column per thread: its 128 rows' amax, then "
                         "e4m3, 4 rows to a store"])
 
+    def wgrad_gemm(name, class_name, doc, a, b, c, n1, n2):
+        """C[e] [n1, n2] = sum over e's M tiles of A_t^T-blocks @ B_t (templates/grouped_gemm_fp8_wgrad.py.j2)."""
+        return KernelPlan(
+            name=name, stage="wgrad", module=name, template="grouped_gemm_fp8_wgrad.py.j2", entry="main",
+            params=dict(name=name, class_name=class_name, doc=doc, tile_m=FP8_TILE_M, tile_n=FP8_TILE_N,
+                        tile_k=FP8_BLOCK, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES, n1=n1, n2=n2,
+                        groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
+                        consumer_regs=FP8_CONSUMER_REGS, **sched[name]),
+            args=[KernelArg("a", f"{a}_q", "e4m3", ["MT", n1, FP8_TILE_M]),
+                  KernelArg("a_scales", f"{a}_scales", "f32", ["MT", n1]),
+                  KernelArg("b", f"{b}_q", "e4m3", ["MT", n2, FP8_TILE_M]),
+                  KernelArg("b_scales", f"{b}_scales", "f32", ["MT", n2]),
+                  KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                  KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
+                  KernelArg("c", c, "bf16", [E * n1, n2])],
+            grid=f"(min({target.sms}, {E * (n1 // FP8_TILE_M) * (n2 // FP8_TILE_N)}),)", block=threads,
+            warp_roles=["warpgroup 0, warp 0: the unit scheduler (expert, m, n) and TMA producer, per M tile of the "
+                        "expert", "warpgroups 1-2: QGMMA per M tile, waited for, promoted with the row and column "
+                        "scales of both operands"],
+            smem_bytes=FP8_STAGES * stage_bytes)
+
+    wgrad_down = wgrad_gemm("wgrad_down_fp8", "WgradDownFP8",
+                            "FP8 weight gradient of the down projection: d_w_down[e] = dy_e^T @ (w h)_e over the "
+                            "expert's rows.", "doutt", "hwt", "d_w_down", H, I)
+    wgrad_gateup = wgrad_gemm("wgrad_gateup_fp8", "WgradGateUpFP8",
+                              "FP8 weight gradient of the gate/up projection: d_w13[e] = [da | db]_e^T @ x_e over the "
+                              "expert's rows (rows of w_gate and w_up interleaved per 64).", "dabt", "xt", "d_w13",
+                              2 * I, H)
     quantize_x_t = quantize_cols("quantize_x_t_fp8", "x", H, "xt")
     quantize_dout_t = quantize_cols("quantize_dout_t_fp8", "dout", H, "doutt")
     keep = ("dispatch_count", "dispatch_scatter", "combine", "bwd_combine")
@@ -268,7 +297,10 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         Buffer("a13", "bf16", [rows, str(2 * I)]),  # (dxs, the gate/up dgrad's rows, is the twin's)
         Buffer("xt_q", "e4m3", [m_tiles, str(H), str(FP8_TILE_M)]), Buffer("xt_scales", "f32", [m_tiles, str(H)]),
         Buffer("doutt_q", "e4m3", [m_tiles, str(H), str(FP8_TILE_M)]),
-        Buffer("doutt_scales", "f32", [m_tiles, str(H)])]
+        Buffer("doutt_scales", "f32", [m_tiles, str(H)]),
+        Buffer("hwt_q", "e4m3", [m_tiles, str(I), str(FP8_TILE_M)]), Buffer("hwt_scales", "f32", [m_tiles, str(I)]),
+        Buffer("dabt_q", "e4m3", [m_tiles, str(2 * I), str(FP8_TILE_M)]),
+        Buffer("dabt_scales", "f32", [m_tiles, str(2 * I)])]
     forward = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "gemm_gateup_fp8", "gemm_down_fp8",
                "combine"]
     # The data gradients (dx, d_topk_weights) from dout, recomputing the forward's products
@@ -281,9 +313,10 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
         buffers=buffers,
         kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:] + [quantize_dout, recompute, dgrad_down, swiglu,
-                                                                        dgrad_gateup, quantize_x_t, quantize_dout_t],
+                                                                        dgrad_gateup, quantize_x_t, quantize_dout_t,
+                                                                        wgrad_down, wgrad_gateup],
         steps={**{k.name: [k.name] for k in (quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu,
-                                             dgrad_gateup, quantize_x_t, quantize_dout_t)},
+                                             dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down, wgrad_gateup)},
                "forward": forward, "backward_data": backward_data},
         flops=twin.flops,
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
