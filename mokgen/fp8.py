@@ -257,15 +257,18 @@ def swiglu_backward_quantized(a13: torch.Tensor, g: torch.Tensor, w: torch.Tenso
     [rows] the pairs' routing weights. Returns ([da | db] interleaved, in e4m3 with 1 x 128
     scales, quantised from fp32 as the kernel does, and <g, h> per row, the routing weights'
     gradient), with h = silu(a) * b, da = w g b silu'(a), db = w g silu(a)."""
+    da, db, _, d_w = _swiglu_backward(a13, g, w)
+    return quantize_rows(join_gate_up(da, db).float()), d_w
+
+
+def _swiglu_backward(a13, g, w):
+    """(da, db, w h, <g, h>) in float64 of rows: a13 [rows, 2I] interleaved, g [rows, I], w [rows]."""
     a, b = (t.double() for t in split_gate_up(a13))
-    g = g.double()
+    g, w = g.double(), w.double()[:, None]
     sig = torch.sigmoid(a)
     silu = a * sig
-    d_w = (g * silu * b).sum(-1)
-    gw = g * w.double()[:, None]
-    da = gw * b * sig * (1.0 + a * (1.0 - sig))
-    db = gw * silu
-    return quantize_rows(join_gate_up(da, db).float()), d_w
+    h = silu * b
+    return g * w * b * sig * (1.0 + a * (1.0 - sig)), g * w * silu, w * h, (g * h).sum(-1)
 
 
 def moe_fp8_backward_data_emulated(dout, x, topk_ids, topk_weights, experts: FP8Experts):
@@ -289,6 +292,39 @@ def moe_fp8_backward_data_emulated(dout, x, topk_ids, topk_weights, experts: FP8
         d_w[tok, slot] = dot
         dx.index_add_(0, tok, bf16(_blockwise_matmul(dab_q, dab_s, pick(experts.gate_up_t))))
     return dx, d_w
+
+
+def moe_fp8_backward_emulated(dout, x, topk_ids, topk_weights, experts: FP8Experts) -> dict:
+    """Every gradient of the FP8 layer (Variant.backward_fp8) in float64: the data gradients as
+    moe_fp8_backward_data_emulated, and the weight gradients as the kernels compute them: per
+    expert, its rows in dispatch's layout ((token, slot) order, zero rows up to a multiple of
+    128) of dout, w h (bf16), [da | db] (bf16) and x, each quantised per 128-row block of each
+    column (quantize_cols), d_w_down = dout^T (w h) and [d_w_gate; d_w_up] = [da | db]^T x
+    summed over the blocks (wgrad_emulated); w_gate's and w_up's rows de-interleaved."""
+    dx, d_w = moe_fp8_backward_data_emulated(dout, x, topk_ids, topk_weights, experts)
+    E, two_i, H = experts.gate_up.values.shape
+    d_w13 = torch.zeros(E, two_i, H, dtype=torch.float64, device=x.device)
+    d_w_down = torch.zeros(E, H, two_i // 2, dtype=torch.float64, device=x.device)
+    if x.shape[0]:
+        xq, xs = quantize_rows(x)
+        bf16 = lambda t: t.to(torch.bfloat16)  # noqa: E731  (the kernels store bf16 rows)
+        for tok, slot, pick in _pairs_by_expert(topk_ids, experts):
+            e = int(topk_ids[tok[0], slot[0]])
+            a13 = bf16(_blockwise_matmul(xq[tok], xs[tok], pick(experts.gate_up))).double()
+            dq, ds = quantize_rows(dout[tok])
+            g = bf16(_blockwise_matmul(dq, ds, pick(experts.down_t))).double()
+            da, db, hw, _ = _swiglu_backward(a13, g, topk_weights[tok, slot])
+            pad = -len(tok) % BLOCK
+
+            def cols(rows):  # the rows padded to 128 and quantised per 128-row block of each column
+                return quantize_cols(torch.cat([rows.float(), rows.new_zeros(pad, rows.shape[1]).float()]))
+
+            one = torch.zeros((len(tok) + pad) // BLOCK, dtype=torch.int32)
+            d_w_down[e] = wgrad_emulated(cols(dout[tok]), cols(bf16(hw.float())), one, 1)[0]
+            d_w13[e] = wgrad_emulated(cols(bf16(join_gate_up(da, db).float())), cols(x[tok]), one, 1)[0]
+    gate, up = split_gate_up(d_w13.transpose(1, 2))
+    return dict(dx=dx, d_topk_weights=d_w, d_w_gate=gate.transpose(1, 2), d_w_up=up.transpose(1, 2),
+                d_w_down=d_w_down)
 
 
 def swiglu_quantized(a13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

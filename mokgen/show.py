@@ -49,9 +49,12 @@ def format_plan(plan: dict) -> str:
                        + (f" (the runtime zeroes {', '.join(zeroed)} first)" if zeroed else ""))
     if plan["spec"].get("dtype") == "fp8":
         if "backward_data" in plan["steps"]:
-            out.append("          backward, data gradients only (Variant.backward_data_fp8): "
+            out.append("          backward, data gradients (Variant.backward_data_fp8; mokgen.moe_fp8's autograd): "
                        + " -> ".join(plan["steps"]["backward_data"]))
-        out.append("          no FP8 weight gradients and no autograd yet (docs/fp8.md)")
+        if "backward_fp8" in plan["steps"]:
+            out.append("          backward, every gradient (Variant.backward_fp8): "
+                       + " -> ".join(plan["steps"]["backward_fp8"]))
+        out.append("          the FP8 weight gradients reach no autograd yet (docs/fp8.md)")
     elif "backward" not in plan["steps"]:
         out.append("          " + backward_decision(plan))
     rows = []

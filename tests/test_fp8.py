@@ -122,7 +122,7 @@ def test_the_fp8_spec_plans_its_forward(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mokgen.cli", "show", str(tmp_path / s.variant)], capture_output=True,
                        text=True)
     assert r.returncode == 0 and "quantize_rows_fp8 -> gemm_gateup_fp8" in r.stdout \
-        and "no FP8 weight gradients" in r.stdout, \
+        and "every gradient (Variant.backward_fp8)" in r.stdout, \
         r.stderr
 
 
@@ -246,3 +246,20 @@ def test_wgrad_emulation_is_the_blockwise_product_over_each_experts_rows():
     assert torch.allclose(got[0], da[:256].t() @ db[:256], rtol=1e-12, atol=1e-9)
     assert torch.allclose(got[2], da[256:].t() @ db[256:], rtol=1e-12, atol=1e-9)
     assert not got[1].any()
+
+
+@pytest.mark.parametrize("routing", ["uniform", "dropped"])
+def test_the_emulated_fp8_weight_gradients_are_within_their_tolerance_of_float64_autograd(routing):
+    """d_w_gate, d_w_up, d_w_down of the FP8 backward's emulation (the weight gradients' operands
+    quantised per 128-row block of each column, in dispatch's layout) against float64 autograd:
+    e4m3's rounding shows and stays within FP8_TOLERANCE (measured 6.0-6.6% on two shapes);
+    w_gate's and w_up's rows come apart right (a mixed-up interleave is off by ~100%)."""
+    from mokgen.fp8 import FP8_TOLERANCE, moe_fp8_backward_emulated, quantize_experts
+    from mokgen.reference import moe_reference_backward, rel_error
+
+    wg, wu, wd, x, ids, w, g = small_layer(routing, 9)
+    dout = torch.randn(x.shape, generator=g).bfloat16()
+    got = moe_fp8_backward_emulated(dout, x, ids, w, quantize_experts(wg, wu, wd))
+    ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd)
+    for k in ("dx", "d_w_gate", "d_w_up", "d_w_down"):
+        assert 0.03 < rel_error(got[k], ref[k]) < FP8_TOLERANCE, k

@@ -405,3 +405,46 @@ def test_wgrad_gemms_fp8_golden(shape, T, routing, which):
     assert all(not got[e].any() for e in empty), "an expert without rows got a non-zero gradient"
     err = rel_error(got, want.to(torch.bfloat16).double())
     assert err <= EMULATION_TOLERANCE, f"relative error {err:.2e} against the bf16-rounded emulation"
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
+@pytest.mark.parametrize("T", [1, 7, 1000, 4096])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+def test_fp8_backward_golden(shape, T, routing):
+    """Every gradient of the FP8 layer (Variant.backward_fp8: the data gradients' chain, the
+    weight gradients' operands quantised per 128-row block of each column, the FP8 weight-
+    gradient GEMMs), poisoned outputs and workspace: against the float64 emulation of the same
+    quantisation within REQUANTIZED_TOLERANCE, and (with enough pairs to be a fair sample of
+    e4m3's rounding) against float64 autograd of the bf16 layer within FP8_TOLERANCE; zeros for
+    an expert without rows."""
+    import mokgen
+    from mokgen.fp8 import FP8_TOLERANCE, REQUANTIZED_TOLERANCE, moe_fp8_backward_emulated, quantize_experts
+    from mokgen.reference import moe_reference_backward
+    from mokgen.verify import dot_error_scales, gradient_error
+
+    E = shape[0]
+    v, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, T, routing, T * 43 + len(routing))
+    experts = quantize_experts(wg, wu, wd)
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    v.poison = True
+    try:
+        got = v.backward_fp8(dout, x, ids, w, experts)
+    finally:
+        v.poison = False
+    mokgen.check_errors()
+    v.check_errors()
+    assert not [k for k, t in got.items() if torch.isnan(t.float()).any()], "unwritten gradients"
+    scale = dot_error_scales(dout, x, ids, wg, wu, wd)
+    want = moe_fp8_backward_emulated(dout, x, ids, w, experts)
+    for k in want:
+        ref = want[k] if k == "d_topk_weights" else want[k].to(torch.bfloat16).double()
+        err = gradient_error(k, got[k], ref, scale)
+        assert err <= REQUANTIZED_TOLERANCE, f"{k}: relative error {err:.2e} against the emulation"
+    for e in range(E):
+        if not (ids == e).any():
+            assert not got["d_w_down"][e].any() and not got["d_w_gate"][e].any(), f"expert {e} has no rows"
+    pairs = int(((ids >= 0) & (ids < E)).sum())
+    if pairs >= 256:
+        ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd)
+        for k in want:
+            assert gradient_error(k, got[k], ref[k], scale) <= FP8_TOLERANCE, k

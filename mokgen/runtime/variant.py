@@ -332,25 +332,59 @@ class Variant:
         data gradients, recomputing the forward's products (the FP8 weight gradients are not
         generated yet). Pairs without a row (empty slots, ids out of range) get a
         d_topk_weights of 0. No checks here."""
-        tokens = x.shape[0]
-        if self.poison:
-            dx = torch.full_like(x, float("nan"))
-            in_range = (topk_ids >= 0) & (topk_ids < self.spec.experts)
-            d_weights = torch.where(in_range, float("nan"), 0.0).to(torch.float32)
-        else:
-            dx, d_weights = torch.empty_like(x), torch.zeros_like(topk_weights, dtype=torch.float32)
-        if tokens == 0:
+        dx, d_weights = self._data_gradient_outputs(x, topk_ids, topk_weights)
+        if x.shape[0] == 0:
             return dx, d_weights
         self._check_status(wait=False)
         with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device, "backward_data")
-            env.update(x=x, dout=dout, topk_ids=topk_ids, topk_weights=topk_weights, dx=dx, d_topk_weights=d_weights,
-                       w13_q=experts.gate_up.values, w13_scales=experts.gate_up.scales,
-                       w_down_t_q=experts.down_t.values, w_down_t_scales=experts.down_t.scales,
-                       w13_t_q=experts.gate_up_t.values, w13_t_scales=experts.gate_up_t.scales)
+            env = self._workspace(x.shape[0], x.device, "backward_data")
+            env.update(self._fp8_backward_inputs(dout, x, topk_ids, topk_weights, experts, dx, d_weights))
             self.run("backward_data", env, x.device)
             self._record_status(env)
         return dx, d_weights
+
+    def backward_fp8(self, dout, x, topk_ids, topk_weights, experts) -> dict:
+        """Every gradient of the FP8 layer (dtype fp8) for the output gradient dout, through the
+        Plan's backward_fp8 entry (recomputing the forward's products): dx, d_topk_weights
+        (pairs without a row: 0), and the weight gradients d_w_gate, d_w_up [E, I, H] and
+        d_w_down [E, H, I] in bf16 (an expert without rows: zeros). No checks here."""
+        from ..fp8 import split_gate_up
+
+        E, I, H = self.spec.experts, self.spec.intermediate, self.spec.hidden
+        fill = (lambda shape: torch.full(shape, float("nan"), dtype=torch.bfloat16, device=x.device)) if self.poison \
+            else (lambda shape: torch.empty(shape, dtype=torch.bfloat16, device=x.device))
+        d_w13, d_w_down = fill((E * 2 * I, H)), fill((E * H, I))
+        dx, d_weights = self._data_gradient_outputs(x, topk_ids, topk_weights)
+        if x.shape[0] == 0:
+            d_w13.zero_()
+            d_w_down.zero_()
+        else:
+            self._check_status(wait=False)
+            with torch.cuda.device(x.device):
+                env = self._workspace(x.shape[0], x.device, "backward_fp8")
+                env.update(self._fp8_backward_inputs(dout, x, topk_ids, topk_weights, experts, dx, d_weights),
+                           d_w13=d_w13, d_w_down=d_w_down)
+                self.run("backward_fp8", env, x.device)
+                self._record_status(env)
+        # rows of w_gate and w_up interleaved per 64 (mokgen.fp8.INTERLEAVE): split them apart
+        d_w_gate, d_w_up = split_gate_up(d_w13.view(E, 2 * I, H).transpose(1, 2))
+        return dict(dx=dx, d_topk_weights=d_weights, d_w_gate=d_w_gate.transpose(1, 2).contiguous(),
+                    d_w_up=d_w_up.transpose(1, 2).contiguous(), d_w_down=d_w_down.view(E, H, I))
+
+    def _data_gradient_outputs(self, x, topk_ids, topk_weights):
+        """dx and d_topk_weights to be written: NaN-poisoned in poison mode, but for the pairs
+        without a row, whose d_topk_weights is 0 and written by no kernel."""
+        if self.poison:
+            in_range = (topk_ids >= 0) & (topk_ids < self.spec.experts)
+            return torch.full_like(x, float("nan")), torch.where(in_range, float("nan"), 0.0).to(torch.float32)
+        return torch.empty_like(x), torch.zeros_like(topk_weights, dtype=torch.float32)
+
+    @staticmethod
+    def _fp8_backward_inputs(dout, x, topk_ids, topk_weights, experts, dx, d_weights) -> dict:
+        return dict(x=x, dout=dout, topk_ids=topk_ids, topk_weights=topk_weights, dx=dx, d_topk_weights=d_weights,
+                    w13_q=experts.gate_up.values, w13_scales=experts.gate_up.scales,
+                    w_down_t_q=experts.down_t.values, w_down_t_scales=experts.down_t.scales,
+                    w13_t_q=experts.gate_up_t.values, w13_t_scales=experts.gate_up_t.scales)
 
     @property
     def has_backward(self) -> bool:

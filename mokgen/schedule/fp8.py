@@ -2,8 +2,9 @@
 
 The FP8 layer is generated kernel by kernel. This Plan holds its kernels, each also an entry
 point of its own for the golden tests (Variant.run), the forward that chains them with the
-bf16 layer's dispatch and combine, and the backward's data gradients (backward_data: dx and
-d_topk_weights, recomputing the forward's products; no weight gradients yet):
+bf16 layer's dispatch and combine, the backward's data gradients (backward_data: dx and
+d_topk_weights, recomputing the forward's products) and every gradient (backward_fp8: the
+same chain, then the weight gradients):
 
     quantize_rows_fp8  x_rows_q, x_rows_scales = the routed rows of x in dispatch's order, in
                     e4m3 with 1 x 128 scales (templates/quantize_rows_fp8.py.j2)
@@ -18,6 +19,10 @@ d_topk_weights, recomputing the forward's products; no weight gradients yet):
     swiglu_backward_fp8  <dh, h> for d_topk_weights, [da | db] in e4m3 (templates/swiglu_backward_fp8.py.j2)
     bwd_dgrad_gateup_fp8 dxs = [da | db] @ [w_gate; w_up] (B = their transposed copy); the bf16
                     layer's bwd_combine sums each token's rows into dx
+    quantize_*_t_fp8   x, dout (gathered), w h and [da | db] (rows) in e4m3 per 128-row block of
+                    each column, K-major per M tile (templates/quantize_cols_fp8.py.j2)
+    wgrad_*_fp8     d_w_down[e] = dy^T (w h), d_w13[e] = [da | db]^T x over each expert's M tiles
+                    (templates/grouped_gemm_fp8_wgrad.py.j2)
 
 """
 from __future__ import annotations
@@ -224,7 +229,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         name="swiglu_backward_fp8", stage="bwd_swiglu", module="swiglu_backward_fp8",
         template="swiglu_backward_fp8.py.j2", entry="main",
         params=dict(name="swiglu_backward_fp8", topk=spec.topk, intermediate=I, threads=swiglu_threads,
-                    tile_m=FP8_TILE_M, interleave=FP8_BLOCK // 2, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX),
+                    tile_m=FP8_TILE_M, interleave=FP8_BLOCK // 2, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX,
+                    rows_bf16=False),
         args=[KernelArg("row_token", "row_token", "i32", ["M"]),
               KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
               KernelArg("pos", "pos", "i32", ["T", spec.topk]),
@@ -239,11 +245,13 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     "1 x 128 block of the interleaved columns"])
     # The weight gradients' operands (entry points; the weight-gradient GEMMs are not generated
     # yet): rows in e4m3 with one scale per 128-row block of each column, K-major per M tile.
-    def quantize_cols(name, src, cols, out):
+    def quantize_cols(name, src, cols, out, gather=True):
+        """gather: src is token-major [T, cols], its rows gathered through row_token; else src is
+        [M, cols] in dispatch's layout already."""
         return KernelPlan(
             name=name, stage="bwd_quantize", module=name, template="quantize_cols_fp8.py.j2", entry="main",
-            params=dict(name=name, cols=cols, threads=FP8_BLOCK, tile_m=FP8_TILE_M, e4m3_max=E4M3_MAX, gather=True),
-            args=[KernelArg("src", src, "bf16", ["T", cols]),
+            params=dict(name=name, cols=cols, threads=FP8_BLOCK, tile_m=FP8_TILE_M, e4m3_max=E4M3_MAX, gather=gather),
+            args=[KernelArg("src", src, "bf16", ["T" if gather else "M", cols]),
                   KernelArg("row_token", "row_token", "i32", ["M"]),
                   KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
                   KernelArg("out_q", f"{out}_q", "e4m3", ["MT", cols, FP8_TILE_M]),
@@ -282,6 +290,15 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                               2 * I, H)
     quantize_x_t = quantize_cols("quantize_x_t_fp8", "x", H, "xt")
     quantize_dout_t = quantize_cols("quantize_dout_t_fp8", "dout", H, "doutt")
+    quantize_hw_t = quantize_cols("quantize_hw_t_fp8", "hw_rows", I, "hwt", gather=False)
+    quantize_dab_t = quantize_cols("quantize_dab_t_fp8", "dab_rows", 2 * I, "dabt", gather=False)
+    # The full backward's SwiGLU backward also writes [da | db] and w h in bf16 rows, which the
+    # weight gradients' operands are quantised from (per 128-row block of each column).
+    swiglu_w = dataclasses.replace(
+        swiglu, name="swiglu_backward_fp8_w", module="swiglu_backward_fp8_w",
+        params={**swiglu.params, "name": "swiglu_backward_fp8_w", "rows_bf16": True},
+        args=swiglu.args + [KernelArg("dab_rows", "dab_rows", "bf16", ["M", 2 * I]),
+                            KernelArg("hw_rows", "hw_rows", "bf16", ["M", I])])
     keep = ("dispatch_count", "dispatch_scatter", "combine", "bwd_combine")
     kernels = [k for k in twin.kernels if k.name in keep]
     bound = {a.tensor for k in kernels for a in k.args}
@@ -300,7 +317,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         Buffer("doutt_scales", "f32", [m_tiles, str(H)]),
         Buffer("hwt_q", "e4m3", [m_tiles, str(I), str(FP8_TILE_M)]), Buffer("hwt_scales", "f32", [m_tiles, str(I)]),
         Buffer("dabt_q", "e4m3", [m_tiles, str(2 * I), str(FP8_TILE_M)]),
-        Buffer("dabt_scales", "f32", [m_tiles, str(2 * I)])]
+        Buffer("dabt_scales", "f32", [m_tiles, str(2 * I)]),
+        Buffer("dab_rows", "bf16", [rows, str(2 * I)]), Buffer("hw_rows", "bf16", [rows, str(I)])]
     forward = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "gemm_gateup_fp8", "gemm_down_fp8",
                "combine"]
     # The data gradients (dx, d_topk_weights) from dout, recomputing the forward's products
@@ -308,16 +326,22 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     backward_data = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "quantize_dout_fp8",
                      "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "swiglu_backward_fp8", "bwd_dgrad_gateup_fp8",
                      "bwd_combine"]
+    # Every gradient (Variant.backward_fp8): the data gradients' chain with the SwiGLU backward
+    # that also writes bf16 rows, then the weight gradients' operands and GEMMs.
+    backward_fp8 = [("swiglu_backward_fp8_w" if n == "swiglu_backward_fp8" else n) for n in backward_data] + [
+        "quantize_x_t_fp8", "quantize_dout_t_fp8", "quantize_hw_t_fp8", "quantize_dab_t_fp8", "wgrad_down_fp8",
+        "wgrad_gateup_fp8"]
     return Plan(
         format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
         target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
         buffers=buffers,
         kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:] + [quantize_dout, recompute, dgrad_down, swiglu,
                                                                         dgrad_gateup, quantize_x_t, quantize_dout_t,
-                                                                        wgrad_down, wgrad_gateup],
+                                                                        wgrad_down, wgrad_gateup, swiglu_w,
+                                                                        quantize_hw_t, quantize_dab_t],
         steps={**{k.name: [k.name] for k in (quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu,
                                              dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down, wgrad_gateup)},
-               "forward": forward, "backward_data": backward_data},
+               "forward": forward, "backward_data": backward_data, "backward_fp8": backward_fp8},
         flops=twin.flops,
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
                    "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
