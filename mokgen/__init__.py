@@ -4,8 +4,8 @@
     -> ahead-of-time compiled kernels -> torch ops (runtime)
 
 Public API: MoESpec, load, moe (differentiable), route, moe_routed (route + moe, one launch
-where it can), moe_fp8 (FP8 experts; differentiable in x and the routing weights), check_errors,
-MoE (an nn.Module).
+where it can), moe_fp8 (FP8 experts; differentiable in x and the routing weights), moe_fp8_train
+(the FP8 layer over bf16 weights, differentiable in all), check_errors, MoE (an nn.Module).
 """
 __version__ = "0.1.0"
 
@@ -33,6 +33,14 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids=True):
     from .runtime import moe_fp8 as _moe_fp8
 
     return _moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids)
+
+
+def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, check_ids=True):
+    """The FP8 layer over bf16 master weights (quantised on each call), differentiable in every
+    input (see mokgen.runtime.moe_fp8_train)."""
+    from .runtime import moe_fp8_train as _moe_fp8_train
+
+    return _moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids=check_ids)
 
 
 def moe_routed(x, router_logits, topk, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,

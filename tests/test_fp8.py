@@ -263,3 +263,17 @@ def test_the_emulated_fp8_weight_gradients_are_within_their_tolerance_of_float64
     ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd)
     for k in ("dx", "d_w_gate", "d_w_up", "d_w_down"):
         assert 0.03 < rel_error(got[k], ref[k]) < FP8_TOLERANCE, k
+
+
+def test_moe_fp8_train_refuses_bad_input_before_quantising():
+    """mokgen.moe_fp8_train checks its inputs before it quantises anything or launches a kernel."""
+    import mokgen
+    from mokgen.runtime.checks import InputError
+
+    E, I, H, T = 4, 256, 128, 8
+    wg, wu = torch.zeros(E, I, H, dtype=torch.bfloat16), torch.zeros(E, I, H, dtype=torch.bfloat16)
+    wd = torch.zeros(E, H, I, dtype=torch.bfloat16)
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    ids = torch.zeros(T, 2, dtype=torch.int32)
+    with pytest.raises(InputError, match="CUDA"):  # (the rest of the checks need a GPU: test_fp8_gpu.py)
+        mokgen.moe_fp8_train(x, ids, torch.zeros(T, 2), wg, wu, wd)

@@ -448,3 +448,32 @@ def test_fp8_backward_golden(shape, T, routing):
         ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd)
         for k in want:
             assert gradient_error(k, got[k], ref[k], scale) <= FP8_TOLERANCE, k
+
+
+@pytest.mark.parametrize("routing", ["uniform", "dropped"])
+@pytest.mark.parametrize("T", [7, 1000])
+def test_moe_fp8_train_autograd_gives_every_fp8_gradient(T, routing):
+    """mokgen.moe_fp8_train over bf16 weights under autograd: the output is moe_fp8's with the
+    experts quantised from them, and x, topk_weights and the three weights get the FP8
+    backward's gradients (Variant.backward_fp8, against its float64 emulation); bad weights are
+    refused before any launch."""
+    import mokgen
+    from mokgen.fp8 import REQUANTIZED_TOLERANCE, moe_fp8_backward_emulated, quantize_experts
+    from mokgen.runtime.checks import InputError
+    from mokgen.verify import dot_error_scales, gradient_error
+
+    shape = FP8_SHAPES[1]
+    _, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, T, routing, T * 47 + len(routing))
+    experts = quantize_experts(wg, wu, wd)
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, w, wg, wu, wd)]
+    out = mokgen.moe_fp8_train(leaves[0], ids, leaves[1], *leaves[2:])
+    assert torch.equal(out.detach(), mokgen.moe_fp8(x, ids, w, experts))
+    out.backward(dout)
+    want = moe_fp8_backward_emulated(dout, x, ids, w, experts)
+    scale = dot_error_scales(dout, x, ids, wg, wu, wd)
+    for leaf, k in zip(leaves, ("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down")):
+        ref = want[k] if k == "d_topk_weights" else want[k].to(torch.bfloat16).double()
+        assert gradient_error(k, leaf.grad, ref, scale) <= REQUANTIZED_TOLERANCE, k
+    with pytest.raises(InputError, match="w_down must"):
+        mokgen.moe_fp8_train(x, ids, w, wg, wu, wd.transpose(1, 2))

@@ -183,7 +183,46 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True):
 
     Differentiable in x and topk_weights (the generated FP8 backward's data gradients,
     recomputing the forward's products; nothing is saved but the inputs): the experts are
-    frozen, as the FP8 weight gradients are not generated yet."""
+    frozen (quantised weights have no gradient; mokgen.moe_fp8_train takes the bf16 weights)."""
+    v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids)
+    if _needs_grad(x, topk_weights):
+        return _MoEFP8.apply(x, topk_weights, topk_ids, experts, v)
+    return v.forward_fp8(x, topk_ids, topk_weights, experts)
+
+
+def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, check_ids: bool = True):
+    """The FP8 layer over bf16 master weights, for training: the experts are quantised on each
+    call (mokgen.fp8.quantize_experts, with the backward's transposed copies), the forward and
+    backward run the generated FP8 kernels (docs/fp8.md), and the result is differentiable in
+    x, topk_weights, w_gate, w_up and w_down (their gradients in the weights' dtype). One GPU,
+    no shared expert; w_gate, w_up [E, I, H] and w_down [E, H, I] bf16, contiguous, on x's GPU."""
+    from ..fp8 import FP8Error, quantize_experts
+
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_cuda:
+        raise InputError(f"x must be a 2-d CUDA tensor [T, H], got "
+                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+                         + (" on the CPU" if isinstance(x, torch.Tensor) and not x.is_cuda else ""))
+    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
+        raise InputError(f"w_gate must be [E, I, H], got {getattr(w_gate, 'shape', type(w_gate).__name__)}")
+    E, I, H = w_gate.shape
+    check_tensor("w_gate", w_gate, torch.bfloat16, (E, I, H), x.device)
+    check_tensor("w_up", w_up, torch.bfloat16, (E, I, H), x.device)
+    check_tensor("w_down", w_down, torch.bfloat16, (E, H, I), x.device)
+    check_tensor("x", x, torch.bfloat16, (None, H), x.device)  # (before quantising anything)
+    try:
+        with torch.no_grad():
+            experts = quantize_experts(w_gate, w_up, w_down)
+    except FP8Error as e:  # (sizes that are not multiples of 128, NaN or Inf weights)
+        raise InputError(f"the weights cannot be quantised to e4m3 blocks: {e}") from None
+    v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids)
+    if _needs_grad(x, topk_weights, w_gate, w_up, w_down):
+        return _MoEFP8Train.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, v)
+    return v.forward_fp8(x, topk_ids, topk_weights, experts)
+
+
+def _fp8_call(x, topk_ids, topk_weights, experts, check_ids: bool):
+    """Check an FP8 layer call's inputs (before any launch) and find its variant; returns
+    (variant, topk_ids as int32)."""
     from ..fp8 import BLOCK, FP8Experts
 
     if not isinstance(experts, FP8Experts):
@@ -224,9 +263,7 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True):
         raise
     if check_ids:
         check_ids_in_range(topk_ids, E, x)
-    if _needs_grad(x, topk_weights):
-        return _MoEFP8.apply(x, topk_weights, topk_ids, experts, v)
-    return v.forward_fp8(x, topk_ids, topk_weights, experts)
+    return v, topk_ids
 
 
 class _MoEFP8(torch.autograd.Function):
@@ -246,6 +283,25 @@ class _MoEFP8(torch.autograd.Function):
         dx, d_weights = ctx.variant.backward_data_fp8(dout, x, topk_ids, topk_weights, ctx.experts)
         return (dx if ctx.needs_input_grad[0] else None, d_weights if ctx.needs_input_grad[1] else None,
                 None, None, None)
+
+
+class _MoEFP8Train(torch.autograd.Function):
+    """mokgen.moe_fp8_train under autograd: the FP8 forward, then every gradient of the FP8
+    backward (Variant.backward_fp8), the weights' in their own dtype."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, variant):
+        ctx.save_for_backward(x, topk_weights, topk_ids)
+        ctx.experts, ctx.variant, ctx.dtypes = experts, variant, (w_gate.dtype, w_up.dtype, w_down.dtype)
+        return variant.forward_fp8(x, topk_ids, topk_weights, experts)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, topk_weights, topk_ids = ctx.saved_tensors
+        g = ctx.variant.backward_fp8(dout.to(torch.bfloat16).contiguous(), x, topk_ids, topk_weights, ctx.experts)
+        weights = [g[k].to(dt) for k, dt in zip(("d_w_gate", "d_w_up", "d_w_down"), ctx.dtypes)]
+        return (g["dx"] if ctx.needs_input_grad[0] else None, g["d_topk_weights"] if ctx.needs_input_grad[1] else None,
+                *[w if ctx.needs_input_grad[2 + i] else None for i, w in enumerate(weights)], None, None, None)
 
 
 def _needs_grad(*params) -> bool:
