@@ -5,12 +5,14 @@ TFLOP/s over the routed rows. (The FP8 gate/up reads the rows of x already in di
 order and in e4m3; the bf16 one gathers them from x.)
 
     python benchmarks/fp8_gemm.py [--tokens 4096,16384] [--shape 64,8,2048,1024] [--layer-only]
-                                  [--backward] [--json fp8.json] [--fp8-dir DIR]
+                                  [--backward] [--train] [--json fp8.json] [--fp8-dir DIR]
 
 --fp8-dir times the FP8 variant built in DIR (an experiment's overrides) instead of the default.
 --backward also times the FP8 backward's data gradients (Variant.backward_data_fp8: dx and
 d_topk_weights, recomputing the forward's products) against torch's bf16 autograd of the same
 gradients (the weights frozen, the forward's activations saved).
+--train times forward + backward through autograd: mokgen.moe_fp8_train (the experts quantised
+on each call, every gradient in FP8), mokgen.moe (bf16) and torch grouped_mm, 18 T K H I FLOPs.
 
 The layer's line also times torch grouped_mm (bf16, mokgen/bench.py's baseline) in the same run.
 """
@@ -40,6 +42,7 @@ def main():
     ap.add_argument("--shape", default="64,8,2048,1024")
     ap.add_argument("--layer-only", action="store_true", help="time only the layers, not the GEMMs alone")
     ap.add_argument("--backward", action="store_true", help="also time the FP8 backward's data gradients")
+    ap.add_argument("--train", action="store_true", help="also time forward + backward through autograd")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--fp8-dir", type=Path, help="the FP8 variant's directory (default: the built variant)")
     a = ap.parse_args()
@@ -59,6 +62,8 @@ def main():
         rows += layers(v8, T, x, ids, wg, wu, wd, g, 3 * fl)
         if a.backward:
             rows += backward_data(v8, T, x, ids, wg, wu, wd, g, fl)
+        if a.train:
+            rows += training(T, x, ids, wg, wu, wd, g, 9 * fl)
         torch.cuda.empty_cache()
     print(f"{'impl':32s} {'T':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'% of dense peak':>16s}")
     for r in rows:  # % of the measured dense peak of the dtype the implementation computes in
@@ -198,6 +203,37 @@ def backward_data(v8, T, x, ids, wg, wu, wd, g, fl):
           f"TFLOP/s)  torch grouped_mm autograd {torch_ms:.3f} ms  fp8 / torch {torch_ms / fp8:.2f}x", flush=True)
     return [dict(T=T, impl="backward_data_fp8", ms=fp8, tflops=5 * fl / fp8 / 1e9),
             dict(T=T, impl="backward_data_torch_grouped_mm", ms=torch_ms, tflops=3 * fl / torch_ms / 1e9)]
+
+
+def training(T, x, ids, wg, wu, wd, g, flops):
+    """Forward + backward through autograd (gradients reset between calls): the FP8 layer over
+    bf16 master weights (quantised on each call, as a training step must), the bf16 layer, and
+    torch grouped_mm (mokgen.module.experts_torch)."""
+    from mokgen.module import experts_torch
+
+    E, K = wg.shape[0], ids.shape[1]
+    H, I = x.shape[1], wg.shape[1]
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, w, wg, wu, wd)]
+    impls = dict(train_mokgen_fp8=lambda: mokgen.moe_fp8_train(leaves[0], ids, *leaves[1:], check_ids=False),
+                 train_mokgen_bf16=lambda: mokgen.moe(leaves[0], ids, *leaves[1:], check_ids=False),
+                 train_torch_grouped_mm=lambda: experts_torch(leaves[0], ids, *leaves[1:]))
+    rows = []
+    for name, fn in impls.items():
+        def call():
+            for t in leaves:
+                t.grad = None
+            fn().backward(dout)
+
+        ms = timed(call, 3, 10) if "torch" in name else timed(call)
+        rows.append(dict(T=T, impl=name, ms=ms, tflops=flops / ms / 1e9))
+    ms = {r["impl"]: r["ms"] for r in rows}
+    print(f"E{E} K{K} H{H} I{I} T={T}: forward + backward fp8 {ms['train_mokgen_fp8']:.3f} ms  bf16 "
+          f"{ms['train_mokgen_bf16']:.3f} ms  torch grouped_mm {ms['train_torch_grouped_mm']:.3f} ms  fp8 / bf16 "
+          f"{ms['train_mokgen_bf16'] / ms['train_mokgen_fp8']:.2f}x, fp8 / torch "
+          f"{ms['train_torch_grouped_mm'] / ms['train_mokgen_fp8']:.2f}x", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
