@@ -36,6 +36,9 @@ for E, K, H, I in FP8_SHAPES:
     build(fp8, default_out(), force=force, log=lambda m: None)
     for name, overrides in FP8_EXPERIMENTS.items():
         build(fp8, default_out() / "experiments" / name, overrides=overrides, force=force, log=lambda m: None)
+# Each GPU's half of E64 in FP8 (tests/fp8_ep_worker.py: mokgen.moe_fp8 over 2 GPUs).
+build(MoESpec(experts=32, topk=8, hidden=2048, intermediate=1024, dtype="fp8"), default_out(), force=force,
+      log=lambda m: None)
 # The FP8 benchmark's DeepSeek-V3 layer (benchmarks/fp8_gemm.py --shape 256,8,7168,2048).
 build(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048, dtype="fp8"), default_out(), force=force,
       log=lambda m: None)

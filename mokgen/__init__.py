@@ -27,12 +27,13 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
                 ws_down=ws_down, **kw)
 
 
-def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids=True):
+def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids=True, group=None):
     """The layer with FP8 experts (mokgen.fp8.quantize_experts): e4m3 with block scales, bf16 out;
-    one GPU; differentiable in x and topk_weights, the experts frozen (see mokgen.runtime.moe_fp8)."""
+    differentiable in x and topk_weights, the experts frozen; group= spreads the experts over
+    GPUs, forward only (see mokgen.runtime.moe_fp8)."""
     from .runtime import moe_fp8 as _moe_fp8
 
-    return _moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids)
+    return _moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids, group=group)
 
 
 def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, check_ids=True):

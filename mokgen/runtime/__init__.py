@@ -175,7 +175,7 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
 
-def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True):
+def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group=None):
     """The layer with FP8 experts (docs/fp8.md): experts = mokgen.fp8.quantize_experts(w_gate,
     w_up, w_down); x bf16 is quantised per 1 x 128 block of each routed row inside the layer,
     h likewise in the gate/up GEMM's epilogue; bf16 out. One GPU, no shared expert. Checks as
@@ -183,7 +183,21 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True):
 
     Differentiable in x and topk_weights (the generated FP8 backward's data gradients,
     recomputing the forward's products; nothing is saved but the inputs): the experts are
-    frozen (quantised weights have no gradient; mokgen.moe_fp8_train takes the bf16 weights)."""
+    frozen (quantised weights have no gradient; mokgen.moe_fp8_train takes the bf16 weights).
+
+    group: expert parallelism over the process group's W GPUs, one GPU per node (forward only):
+    experts are this rank's E/W experts, topk_ids global; tokens cross between GPUs through
+    NCCL, each GPU runs the FP8 layer of its experts (docs/multinode.md's levels)."""
+    if group is not None:
+        import torch.distributed as dist
+
+        from .multinode import moe_multinode
+
+        v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids=False)  # (ids are global here)
+        E, two_i, H = experts.gate_up.values.shape
+        W = dist.get_world_size(group)
+        return moe_multinode(x, topk_ids, topk_weights, None, None, None, (E, topk_ids.shape[1], H, two_i // 2, 0),
+                             group, W, check_ids, fp8_local=lambda xs, ids, w: v.forward_fp8(xs, ids, w, experts))
     v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids)
     if _needs_grad(x, topk_weights):
         return _MoEFP8.apply(x, topk_weights, topk_ids, experts, v)

@@ -24,8 +24,13 @@ _NODE_WORKSPACES: dict = {}
 MIN_NODE_CAPACITY = 1024
 
 
-def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group, nodes: int, check_ids: bool):
+def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group, nodes: int, check_ids: bool,
+                  fp8_local=None):
     """out[t] for this rank's tokens; topk_ids global, the weights this rank's E/W experts.
+
+    fp8_local: the FP8 layer of this rank's experts (a callable (x, ids, weights) -> out, ids
+    node-local with -1 for empty slots; the weights arguments are then None): one GPU per node
+    only, the node-local layer being that GPU's (mokgen.moe_fp8(..., group=)).
 
     Ranks are node-major (rank = node * G + local index, G = GPUs per node). nodes=1 runs the
     levels too (no rows cross a network; the node-local layer is the megakernel over the group):
@@ -46,13 +51,26 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
                        nodes=nodes)
     except SpecError as e:
         raise InputError(f"these shapes cannot be generated over {nodes} nodes: {e}") from None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, topk_weights, w_gate, w_up, w_down)):
         raise NotImplementedError("the layer over several nodes has no backward yet: call it under torch.no_grad()")
     from ..schedule.multinode import node_local_spec
 
     local = node_local_spec(spec)
     G = spec.gpus_per_node
-    v = find_variant(local.experts, K, H, I, 0, world_size=G)
+    weights = (w_gate, w_up, w_down)
+    if fp8_local is not None:
+        if G != 1:
+            raise InputError(f"the FP8 layer across GPUs runs one GPU per node (nodes = the group's {W} ranks); "
+                             f"got nodes={nodes}")
+
+        def layer(xs, ids, w, peers=None):
+            return fp8_local(xs, ids, w)
+    else:
+        v = find_variant(local.experts, K, H, I, 0, world_size=G)
+
+        def layer(xs, ids, w, peers=None):
+            return v.forward(xs, ids, w, *weights, peers=peers)
     node, En = rank // G, spec.node_experts
     rail, inside = level_groups(group, nodes, G)
     T, dev = x.shape[0], x.device
@@ -93,9 +111,8 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
         read.record(side)
     for t in (mine, table):
         t.record_stream(side)
-    weights = (w_gate, w_up, w_down)
     own_ids = torch.where(node_of == node, topk_ids - node * En, EMPTY).to(torch.int32)
-    own_sum = v.forward(x, own_ids, topk_weights, *weights) if G == 1 else None
+    own_sum = layer(x, own_ids, topk_weights) if G == 1 else None
     read.synchronize()
     levels = read_levels(host.tolist(), nodes, G, rank)  # (the host read)
     if levels["bad_ranks"]:
@@ -131,10 +148,10 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     # empty) over this rank's own tokens, then over the tokens that arrived; on a node of
     # several GPUs both calls are collective over the node (every GPU makes both, rows or not).
     if own_sum is None:
-        own_sum = v.forward(x, own_ids, topk_weights, *weights, peers=peers)
+        own_sum = layer(x, own_ids, topk_weights, peers=peers)
     main.wait_stream(side)
-    arrived = v.forward(recv_x, recv_slots[:, :K].contiguous(), recv_slots[:, K:].contiguous().view(torch.float32),
-                        *weights, peers=peers)
+    arrived = layer(recv_x, recv_slots[:, :K].contiguous(), recv_slots[:, K:].contiguous().view(torch.float32),
+                    peers=peers)
 
     # Return: one row per (token, node) back to the token's rank (the node-local layer summed
     # its slots there in fp32 and rounded once); the sum over nodes in node order, in fp32,
