@@ -1,12 +1,13 @@
 """The layer over 2 nodes x 1 GPU against 1 node x 2 GPUs on the same work, one run.
 
-    torchrun --nproc-per-node=2 benchmarks/multinode_bench.py [--tokens 1024,4096,8192] [--json out.json]
+    torchrun --nproc-per-node=2 benchmarks/multinode_bench.py [--tokens 1024,4096,8192] [--json out.json] [--fp8]
 
 Two GPUs of one host as 2 nodes (tokens cross through NCCL, as between nodes) and as one node
 (the NVLink expert-parallel megakernel), E64 K8 H2048 I1024, uniform routing, T tokens per
 rank; also the torch expert-parallel baseline. Times (CUDA events, warm-up, median, the
 slowest rank's) each layer, and the engine's all_to_all of the same row bytes alone: the rate
-the performance model (docs/multinode.md) is checked with.
+the performance model (docs/multinode.md) is checked with. --fp8 also times the FP8 layer
+over the same 2 GPUs (mokgen.moe_fp8(..., group=): the same levels, each GPU's experts in FP8).
 """
 from __future__ import annotations
 
@@ -30,11 +31,16 @@ def main():
     ap.add_argument("--tokens", default="1024,4096,8192")
     ap.add_argument("--json", default=None)
     ap.add_argument("--host-profile", action="store_true", help="also print where an eager call spends its time")
+    ap.add_argument("--fp8", action="store_true", help="also time the FP8 layer over the same GPUs")
     a = ap.parse_args()
     E, K, H, I = 64, 8, 2048, 1024
     rank, world, group, g, (wg, wu, wd) = start_ranks(E, H, I)
     tokens = [int(t) for t in a.tokens.split(",")]
     w13 = torch.cat([wg, wu], 1)
+    if a.fp8:
+        from mokgen.fp8 import quantize_experts
+
+        experts = quantize_experts(wg, wu, wd)
     spec = MoESpec(experts=E, topk=K, hidden=H, intermediate=I, world_size=world, topology="nvlink", nodes=world)
     rows = []
     for T in tokens:
@@ -71,6 +77,7 @@ def main():
             levels_one = timed(lambda: moe_multinode(x, ids, w, wg, wu, wd, (E // world, K, H, I, 0), group, 1,
                                                      False))
             torch_ms = timed(lambda: torch_expert_parallel(x, ids, w, w13, wd, E, group))
+            fp8 = timed(lambda: mokgen.moe_fp8(x, ids, w, experts, group=group, check_ids=False)) if a.fp8 else None
             diff = (mokgen.moe(x, ids, w, wg, wu, wd, group=group, nodes=world, check_ids=False).float()
                     - mokgen.moe(x, ids, w, wg, wu, wd, group=group, max_tokens=max(tokens),
                                  check_ids=False).float()).abs().max().item()
@@ -100,7 +107,7 @@ def main():
                    engine_exchange_ms=xchg, engine_gbs=gbs, bytes_each_way=bytes_each_way,
                    remote_nodes_per_token=sent / max(T, 1), model_remote_nodes=remote_nodes_per_token(spec),
                    model_ms=model["predicted_ms"], model_gemm_ms=model["gemm_ms"],
-                   two_nodes_tflops=fl / nodes / 1e9, levels_one_node_ms=levels_one)
+                   two_nodes_tflops=fl / nodes / 1e9, levels_one_node_ms=levels_one, fp8_two_nodes_ms=fp8)
         rows.append(row)
         if rank == 0:
             print(f"T={T}/rank  2 nodes x 1 GPU {nodes:.3f} ms ({row['two_nodes_tflops']:.0f} TF/s/GPU, "
@@ -112,6 +119,9 @@ def main():
                   f"{H200.grouped_gemm_tflops:.0f} TF/s)", flush=True)
             print(f"   the levels over 1 node x 2 GPUs (the node-local megakernel, other nodes' slots empty): {levels_one:.3f} ms "
                   f"({one / levels_one:.2f}x of the megakernel on the tokens)", flush=True)
+            if fp8 is not None:
+                print(f"   FP8 over 2 nodes x 1 GPU {fp8:.3f} ms ({fl / fp8 / 1e9:.0f} TF/s/GPU, {nodes / fp8:.2f}x the "
+                      f"bf16 levels, {torch_ms / fp8:.2f}x torch EP)", flush=True)
     finish(rank, a.json, rows)
 
 
