@@ -60,6 +60,25 @@ def poison() -> None:
     dist.barrier()
 
 
+def start_golden(E, H, I):
+    """Under torchrun: (rank, world, the global experts' bf16 w_gate, w_up, w_down from one
+    fresh seed every rank shares, a generator of this rank's own inputs), the NCCL group made
+    and the device set."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    seed = torch.tensor([random.SystemRandom().randrange(2**31)], device="cuda")
+    dist.broadcast(seed, 0)  # one seed, fresh every run: every rank can rebuild every weight
+    g = torch.Generator(device="cuda")
+    g.manual_seed(int(seed.item()))
+    wg = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
+    wu = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
+    wd = torch.randn(E, H, I, device="cuda", generator=g).mul_(I ** -0.5).bfloat16()
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(int(seed.item()) + 1 + rank)
+    return rank, world, (wg, wu, wd), gen
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="64,8,2048,1024,0")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 
 import torch
@@ -26,7 +25,7 @@ from mokgen.reference import moe_reference, rel_error
 from mokgen.runtime import InputError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ep_worker import routing  # noqa: E402
+from ep_worker import routing, start_golden  # noqa: E402
 
 
 def main():
@@ -34,23 +33,12 @@ def main():
     ap.add_argument("--shape", default="64,8,2048,1024")
     ap.add_argument("--tokens", default="1,513,4096")
     a = ap.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     E, K, H, I = (int(v) for v in a.shape.split(","))
+    rank, world, (wg, wu, wd), gen = start_golden(E, H, I)
     El = E // world
-    seed = torch.tensor([random.SystemRandom().randrange(2**31)], device="cuda")
-    dist.broadcast(seed, 0)
-    g = torch.Generator(device="cuda")
-    g.manual_seed(int(seed.item()))
-    wg = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
-    wu = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
-    wd = torch.randn(E, H, I, device="cuda", generator=g).mul_(I ** -0.5).bfloat16()
     every = quantize_experts(wg, wu, wd)
     mine = slice(rank * El, (rank + 1) * El)
     local = quantize_experts(wg[mine].contiguous(), wu[mine].contiguous(), wd[mine].contiguous())
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(int(seed.item()) + 1 + rank)
     failures = 0
 
     def case(name, T, kind, runs=1):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import time
 
@@ -30,7 +29,7 @@ from mokgen.runtime import InputError
 from mokgen.runtime.multinode import moe_multinode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ep_worker import routing  # noqa: E402
+from ep_worker import routing, start_golden  # noqa: E402
 
 TOL = 1e-2
 
@@ -40,22 +39,11 @@ def main():
     ap.add_argument("--shape", default="64,8,2048,1024")
     ap.add_argument("--tokens", default="1,513,4096")
     a = ap.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     E, K, H, I = (int(v) for v in a.shape.split(","))
+    rank, world, (wg, wu, wd), gen = start_golden(E, H, I)
     El = E // world
-    seed = torch.tensor([random.SystemRandom().randrange(2**31)], device="cuda")
-    dist.broadcast(seed, 0)
-    g = torch.Generator(device="cuda")
-    g.manual_seed(int(seed.item()))
-    wg = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
-    wu = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
-    wd = torch.randn(E, H, I, device="cuda", generator=g).mul_(I ** -0.5).bfloat16()
     mine = slice(rank * El, (rank + 1) * El)
     local = (wg[mine].contiguous(), wu[mine].contiguous(), wd[mine].contiguous())
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(int(seed.item()) + 1 + rank)
     failures = 0
     cap = max(int(t) for t in a.tokens.split(","))
 
