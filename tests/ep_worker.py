@@ -60,42 +60,13 @@ def poison() -> None:
     dist.barrier()
 
 
-def start_golden(E, H, I):
+def start_golden(E, H, I, S=0):
     """Under torchrun: (rank, world, the global experts' bf16 w_gate, w_up, w_down from one
-    fresh seed every rank shares, a generator of this rank's own inputs), the NCCL group made
-    and the device set."""
+    fresh seed every rank shares, the shared expert's ws_* (a dict, empty without one), a
+    generator of this rank's own inputs, the seed), the NCCL group made and the device set."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    seed = torch.tensor([random.SystemRandom().randrange(2**31)], device="cuda")
-    dist.broadcast(seed, 0)  # one seed, fresh every run: every rank can rebuild every weight
-    g = torch.Generator(device="cuda")
-    g.manual_seed(int(seed.item()))
-    wg = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
-    wu = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
-    wd = torch.randn(E, H, I, device="cuda", generator=g).mul_(I ** -0.5).bfloat16()
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(int(seed.item()) + 1 + rank)
-    return rank, world, (wg, wu, wd), gen
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="64,8,2048,1024,0")
-    ap.add_argument("--tokens", default="1,513,4096,8192")
-    ap.add_argument("--no-timeout-case", action="store_true")
-    ap.add_argument("--grad-tokens", default="1,513,4096", help="token counts per rank of the backward cases")
-    a = ap.parse_args()
-    # The host rendezvous' bound (300 s by default) short enough for the absent-rank case,
-    # long enough for every rank's first call.
-    os.environ.setdefault("MOKGEN_RENDEZVOUS_TIMEOUT_S", "15")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    E, K, H, I, S = (int(v) for v in a.shape.split(","))
-    El = E // world
-    tokens = [int(t) for t in a.tokens.split(",")]
-    cap = max(tokens + [int(t) for t in a.grad_tokens.split(",") if t])
     seed = torch.tensor([random.SystemRandom().randrange(2**31)], device="cuda")
     dist.broadcast(seed, 0)  # one seed, fresh every run: every rank can rebuild every weight
     g = torch.Generator(device="cuda")
@@ -108,10 +79,28 @@ def main():
         shared = dict(ws_gate=torch.randn(S, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16(),
                       ws_up=torch.randn(S, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16(),
                       ws_down=torch.randn(H, S, device="cuda", generator=g).mul_(S ** -0.5).bfloat16())
-    mine = slice(rank * El, (rank + 1) * El)
-    local = (wg[mine].contiguous(), wu[mine].contiguous(), wd[mine].contiguous())
     gen = torch.Generator(device="cuda")
     gen.manual_seed(int(seed.item()) + 1 + rank)
+    return rank, world, (wg, wu, wd), shared, gen, int(seed.item())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="64,8,2048,1024,0")
+    ap.add_argument("--tokens", default="1,513,4096,8192")
+    ap.add_argument("--no-timeout-case", action="store_true")
+    ap.add_argument("--grad-tokens", default="1,513,4096", help="token counts per rank of the backward cases")
+    a = ap.parse_args()
+    # The host rendezvous' bound (300 s by default) short enough for the absent-rank case,
+    # long enough for every rank's first call.
+    os.environ.setdefault("MOKGEN_RENDEZVOUS_TIMEOUT_S", "15")
+    E, K, H, I, S = (int(v) for v in a.shape.split(","))
+    rank, world, (wg, wu, wd), shared, gen, seed = start_golden(E, H, I, S)
+    El = E // world
+    tokens = [int(t) for t in a.tokens.split(",")]
+    cap = max(tokens + [int(t) for t in a.grad_tokens.split(",") if t])
+    mine = slice(rank * El, (rank + 1) * El)
+    local = (wg[mine].contiguous(), wu[mine].contiguous(), wd[mine].contiguous())
     failures = 0
 
     def case(name, T, kind, runs=1):
@@ -221,7 +210,7 @@ def main():
 
     def grad_case(name, Ts, kind, runs=1, recompute=False):
         nonlocal failures
-        case_seed = int(seed.item()) % 100000 + next(grad_cases)
+        case_seed = seed % 100000 + next(grad_cases)
         every = [inputs_of(case_seed, r, Ts[r], kind) for r in range(world)]
         x, ids, w, dout = every[rank]
         poison()

@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--tokens", default="1,513,4096")
     a = ap.parse_args()
     E, K, H, I = (int(v) for v in a.shape.split(","))
-    rank, world, (wg, wu, wd), gen = start_golden(E, H, I)
+    rank, world, (wg, wu, wd), _, gen, _ = start_golden(E, H, I)
     El = E // world
     every = quantize_experts(wg, wu, wd)
     mine = slice(rank * El, (rank + 1) * El)

@@ -482,11 +482,6 @@ def test_moe_fp8_train_autograd_gives_every_fp8_gradient(T, routing):
 def test_fp8_over_two_gpus_golden():
     """mokgen.moe_fp8(..., group=) on 2 GPUs (tests/fp8_ep_worker.py under torchrun): each GPU
     the FP8 layer of half the experts, tokens crossing through NCCL."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from mokgen.runtime import variants_root
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -494,10 +489,6 @@ def test_fp8_over_two_gpus_golden():
     spec = MoESpec(experts=32, topk=8, hidden=2048, intermediate=1024, dtype="fp8")  # each GPU's half of E64
     if not (variants_root() / spec.variant / "build").is_dir():
         pytest.skip(f"{spec.variant} is not built (benchmarks/build_gpu_variants.py)")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                        str(root / "tests" / "fp8_ep_worker.py")], env=env, capture_output=True, text=True,
-                       timeout=240, cwd=root)
-    print(r.stdout[-6000:], r.stderr[-3000:])
-    assert r.returncode == 0 and "FP8 EP golden: PASS" in r.stdout
+    from test_multinode_gpu import run_workers
+
+    run_workers("fp8_ep_worker.py", "FP8 EP golden: PASS")

@@ -27,10 +27,14 @@ def test_two_nodes_of_one_gpu_golden():
     for s in (node_local_spec(SPEC), MoESpec(**{**SPEC.to_dict(), "nodes": 1})):
         if not (variants_root() / s.variant / "build").is_dir():
             pytest.skip(f"{s.variant} is not built (benchmarks/build_gpu_variants.py)")
+    run_workers("multinode_worker.py", "MULTINODE golden: PASS")
+
+
+def run_workers(script: str, passed: str):
+    """tests/<script> on 2 GPUs under torchrun (NVLink multicast off); asserts it printed `passed`."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                        str(root / "tests" / "multinode_worker.py")], env=env, capture_output=True, text=True,
-                       timeout=240, cwd=root)
+                        str(root / "tests" / script)], env=env, capture_output=True, text=True, timeout=240, cwd=root)
     print(r.stdout[-6000:], r.stderr[-3000:])
-    assert r.returncode == 0 and "MULTINODE golden: PASS" in r.stdout
+    assert r.returncode == 0 and passed in r.stdout
