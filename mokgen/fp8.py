@@ -97,10 +97,14 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flat = w.reshape(-1, N, K)
     q = torch.empty(flat.shape, dtype=E4M3, device=w.device)
     scale = torch.empty(flat.shape[0], N // BLOCK, K // BLOCK, device=w.device)
-    for i in range(flat.shape[0]):  # one matrix at a time: the fp32 copy of all of them may not fit
-        blocks = flat[i].float().reshape(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
-        scale[i] = _scale(blocks.abs().amax(dim=(-3, -1)))
-        q[i] = (blocks / scale[i][:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).reshape(N, K)
+    # a chunk of matrices at a time (their fp32 copy within 1 GiB): the fp32 copy of all of them
+    # may not fit, and one matrix at a time is thousands of small launches at E256
+    chunk = max(1, (1 << 28) // (N * K))
+    for i in range(0, flat.shape[0], chunk):
+        blocks = flat[i:i + chunk].float().reshape(-1, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+        scale[i:i + chunk] = _scale(blocks.abs().amax(dim=(-3, -1)))
+        q[i:i + chunk] = (blocks / scale[i:i + chunk][:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(
+            E4M3).reshape(-1, N, K)
     return q.reshape(w.shape), scale.reshape(*lead, N // BLOCK, K // BLOCK)
 
 
