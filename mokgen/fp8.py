@@ -224,12 +224,12 @@ def _blockwise_matmul(a_q, a_s, b: FP8Weights) -> torch.Tensor:
 
 
 def _pairs_by_expert(topk_ids, experts: FP8Experts):
-    """(tokens, slots, pick) per expert with pairs, pick(p) its FP8Weights of a projection p."""
+    """(expert, tokens, slots, pick) per expert with pairs, pick(p) its FP8Weights of a projection p."""
     ids = topk_ids.long()
     for e in range(experts.gate_up.values.shape[0]):
         tok, slot = torch.where(ids == e)
         if tok.numel():
-            yield tok, slot, lambda p, e=e: FP8Weights(p.values[e], p.scales[e])
+            yield e, tok, slot, lambda p, e=e: FP8Weights(p.values[e], p.scales[e])
 
 
 def moe_fp8_emulated(x, topk_ids, topk_weights, experts: FP8Experts) -> torch.Tensor:
@@ -241,7 +241,7 @@ def moe_fp8_emulated(x, topk_ids, topk_weights, experts: FP8Experts) -> torch.Te
     if T == 0:
         return out
     xq, xs = quantize_rows(x)
-    for tok, slot, pick in _pairs_by_expert(topk_ids, experts):
+    for _, tok, slot, pick in _pairs_by_expert(topk_ids, experts):
         hq, hs = swiglu_quantized(_blockwise_matmul(xq[tok], xs[tok], pick(experts.gate_up)))
         y = _blockwise_matmul(hq, hs, pick(experts.down)).to(torch.bfloat16).double()  # (y is stored in bf16)
         out.index_add_(0, tok, y * topk_weights.double()[tok, slot, None])
@@ -253,16 +253,6 @@ def join_gate_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     *lead, i = a.shape
     return torch.stack([a.reshape(*lead, i // INTERLEAVE, INTERLEAVE), b.reshape(*lead, i // INTERLEAVE, INTERLEAVE)],
                        -2).reshape(*lead, 2 * i)
-
-
-def swiglu_backward_quantized(a13: torch.Tensor, g: torch.Tensor, w: torch.Tensor):
-    """The FP8 SwiGLU backward of rows (templates/swiglu_backward_fp8.py.j2), in float64: a13
-    [rows, 2I] the gate/up products (interleaved), g [rows, I] = dout @ w_down (unweighted), w
-    [rows] the pairs' routing weights. Returns ([da | db] interleaved, in e4m3 with 1 x 128
-    scales, quantised from fp32 as the kernel does, and <g, h> per row, the routing weights'
-    gradient), with h = silu(a) * b, da = w g b silu'(a), db = w g silu(a)."""
-    da, db, _, d_w = _swiglu_backward(a13, g, w)
-    return quantize_rows(join_gate_up(da, db).float()), d_w
 
 
 def _swiglu_backward(a13, g, w):
@@ -279,23 +269,12 @@ def moe_fp8_backward_data_emulated(dout, x, topk_ids, topk_weights, experts: FP8
     """The FP8 backward's data gradients (dx [T, H], d_topk_weights [T, K], float64), emulated
     as the kernels compute them: dout and x quantised per 1 x 128 row block; per expert, the
     gate/up products recomputed blockwise and stored in bf16, g = dout @ w_down blockwise (over
-    the transposed copy) in bf16, the SwiGLU backward (swiglu_backward_quantized), dx's rows =
-    [da | db] @ [w_gate; w_up] blockwise in bf16, summed over each token's slots."""
-    T, H = x.shape
-    dx = torch.zeros(T, H, dtype=torch.float64, device=x.device)
-    d_w = torch.zeros(topk_ids.shape, dtype=torch.float64, device=x.device)
-    if T == 0:
-        return dx, d_w
-    xq, xs = quantize_rows(x)
-    dq, ds = quantize_rows(dout)
-    bf16 = lambda t: t.to(torch.bfloat16).double()  # noqa: E731  (the kernels store bf16)
-    for tok, slot, pick in _pairs_by_expert(topk_ids, experts):
-        a13 = bf16(_blockwise_matmul(xq[tok], xs[tok], pick(experts.gate_up)))
-        g = bf16(_blockwise_matmul(dq[tok], ds[tok], pick(experts.down_t)))
-        (dab_q, dab_s), dot = swiglu_backward_quantized(a13, g, topk_weights[tok, slot])
-        d_w[tok, slot] = dot
-        dx.index_add_(0, tok, bf16(_blockwise_matmul(dab_q, dab_s, pick(experts.gate_up_t))))
-    return dx, d_w
+    the transposed copy) in bf16, the SwiGLU backward (templates/swiglu_backward_fp8.py.j2: h
+    = silu(a) b, <g, h> for the routing weight, da = w g b silu'(a) and db = w g silu(a)
+    quantised from fp32 per 1 x 128 block), dx's rows = [da | db] @ [w_gate; w_up] blockwise in
+    bf16, summed over each token's slots."""
+    got = _backward_emulated(dout, x, topk_ids, topk_weights, experts, weight_gradients=False)
+    return got["dx"], got["d_topk_weights"]
 
 
 def moe_fp8_backward_emulated(dout, x, topk_ids, topk_weights, experts: FP8Experts) -> dict:
@@ -305,30 +284,40 @@ def moe_fp8_backward_emulated(dout, x, topk_ids, topk_weights, experts: FP8Exper
     128) of dout, w h (bf16), [da | db] (bf16) and x, each quantised per 128-row block of each
     column (quantize_cols), d_w_down = dout^T (w h) and [d_w_gate; d_w_up] = [da | db]^T x
     summed over the blocks (wgrad_emulated); w_gate's and w_up's rows de-interleaved."""
-    dx, d_w = moe_fp8_backward_data_emulated(dout, x, topk_ids, topk_weights, experts)
-    E, two_i, H = experts.gate_up.values.shape
-    d_w13 = torch.zeros(E, two_i, H, dtype=torch.float64, device=x.device)
-    d_w_down = torch.zeros(E, H, two_i // 2, dtype=torch.float64, device=x.device)
-    if x.shape[0]:
+    return _backward_emulated(dout, x, topk_ids, topk_weights, experts, weight_gradients=True)
+
+
+def _backward_emulated(dout, x, topk_ids, topk_weights, experts: FP8Experts, weight_gradients: bool) -> dict:
+    """The two emulations above: each expert's products and SwiGLU backward computed once."""
+    T, H = x.shape
+    E, two_i, _ = experts.gate_up.values.shape
+    f64 = dict(dtype=torch.float64, device=x.device)
+    got = dict(dx=torch.zeros(T, H, **f64), d_topk_weights=torch.zeros(topk_ids.shape, **f64))
+    d_w13, d_w_down = torch.zeros(E, two_i, H, **f64), torch.zeros(E, H, two_i // 2, **f64)
+    if T:
         xq, xs = quantize_rows(x)
-        bf16 = lambda t: t.to(torch.bfloat16)  # noqa: E731  (the kernels store bf16 rows)
-        for tok, slot, pick in _pairs_by_expert(topk_ids, experts):
-            e = int(topk_ids[tok[0], slot[0]])
+        dq, ds = quantize_rows(dout)
+        bf16 = lambda t: t.to(torch.bfloat16)  # noqa: E731  (the kernels store bf16)
+        for e, tok, slot, pick in _pairs_by_expert(topk_ids, experts):
             a13 = bf16(_blockwise_matmul(xq[tok], xs[tok], pick(experts.gate_up))).double()
-            dq, ds = quantize_rows(dout[tok])
-            g = bf16(_blockwise_matmul(dq, ds, pick(experts.down_t))).double()
-            da, db, hw, _ = _swiglu_backward(a13, g, topk_weights[tok, slot])
-            pad = -len(tok) % BLOCK
+            g = bf16(_blockwise_matmul(dq[tok], ds[tok], pick(experts.down_t))).double()
+            da, db, hw, dot = _swiglu_backward(a13, g, topk_weights[tok, slot])
+            got["d_topk_weights"][tok, slot] = dot
+            dab_q, dab_s = quantize_rows(join_gate_up(da, db).float())
+            got["dx"].index_add_(0, tok, bf16(_blockwise_matmul(dab_q, dab_s, pick(experts.gate_up_t))).double())
+            if weight_gradients:
+                pad = -len(tok) % BLOCK
 
-            def cols(rows):  # the rows padded to 128 and quantised per 128-row block of each column
-                return quantize_cols(torch.cat([rows.float(), rows.new_zeros(pad, rows.shape[1]).float()]))
+                def cols(rows):  # the rows padded to 128 and quantised per 128-row block of each column
+                    return quantize_cols(torch.cat([rows.float(), rows.new_zeros(pad, rows.shape[1]).float()]))
 
-            one = torch.zeros((len(tok) + pad) // BLOCK, dtype=torch.int32)
-            d_w_down[e] = wgrad_emulated(cols(dout[tok]), cols(bf16(hw.float())), one, 1)[0]
-            d_w13[e] = wgrad_emulated(cols(bf16(join_gate_up(da, db).float())), cols(x[tok]), one, 1)[0]
-    gate, up = split_gate_up(d_w13.transpose(1, 2))
-    return dict(dx=dx, d_topk_weights=d_w, d_w_gate=gate.transpose(1, 2), d_w_up=up.transpose(1, 2),
-                d_w_down=d_w_down)
+                one = torch.zeros((len(tok) + pad) // BLOCK, dtype=torch.int32)
+                d_w_down[e] = wgrad_emulated(cols(dout[tok]), cols(bf16(hw.float())), one, 1)[0]
+                d_w13[e] = wgrad_emulated(cols(bf16(join_gate_up(da, db).float())), cols(x[tok]), one, 1)[0]
+    if weight_gradients:
+        gate, up = split_gate_up(d_w13.transpose(1, 2))
+        got.update(d_w_gate=gate.transpose(1, 2), d_w_up=up.transpose(1, 2), d_w_down=d_w_down)
+    return got
 
 
 def swiglu_quantized(a13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

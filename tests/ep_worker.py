@@ -84,6 +84,17 @@ def start_golden(E, H, I, S=0):
     return rank, world, (wg, wu, wd), shared, gen, int(seed.item())
 
 
+def finish_golden(failures: int, rank: int, label: str):
+    """Sum the ranks' failures, print `label: PASS` (rank 0) or the count, leave the group and
+    exit non-zero on any failure."""
+    total = torch.tensor([failures], device="cuda")
+    dist.all_reduce(total)
+    if rank == 0:
+        print(f"{label}: " + ("PASS" if total.item() == 0 else f"FAIL ({total.item()} cases)"), flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if total.item() else 0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="64,8,2048,1024,0")

@@ -25,7 +25,7 @@ from mokgen.reference import moe_reference, rel_error
 from mokgen.runtime import InputError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ep_worker import routing, start_golden  # noqa: E402
+from ep_worker import finish_golden, routing, start_golden  # noqa: E402
 
 
 def main():
@@ -81,12 +81,7 @@ def main():
         print(f"rank {rank} bad ids on rank 0: InputError {'ok' if ok else 'FAIL'} ({str(e)[:80]})", flush=True)
     case("after bad ids on one rank", 64, "uniform")
 
-    total = torch.tensor([failures], device="cuda")
-    dist.all_reduce(total)
-    if rank == 0:
-        print("FP8 EP golden: " + ("PASS" if total.item() == 0 else f"FAIL ({total.item()} cases)"), flush=True)
-    dist.destroy_process_group()
-    sys.exit(1 if total.item() else 0)
+    finish_golden(failures, rank, "FP8 EP golden")
 
 
 if __name__ == "__main__":

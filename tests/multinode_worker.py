@@ -29,7 +29,7 @@ from mokgen.runtime import InputError
 from mokgen.runtime.multinode import moe_multinode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ep_worker import routing, start_golden  # noqa: E402
+from ep_worker import finish_golden, routing, start_golden  # noqa: E402
 
 TOL = 1e-2
 
@@ -125,12 +125,7 @@ def main():
     except NotImplementedError as e:
         print(f"rank {rank} under autograd: NotImplementedError ok ({str(e)[:80]})", flush=True)
 
-    total = torch.tensor([failures], device="cuda")
-    dist.all_reduce(total)
-    if rank == 0:
-        print("MULTINODE golden: " + ("PASS" if total.item() == 0 else f"FAIL ({total.item()} cases)"), flush=True)
-    dist.destroy_process_group()
-    sys.exit(1 if total.item() else 0)
+    finish_golden(failures, rank, "MULTINODE golden")
 
 
 if __name__ == "__main__":
