@@ -219,7 +219,16 @@ def training(T, x, ids, wg, wu, wd, g, flops):
     impls = dict(train_mokgen_fp8=lambda: mokgen.moe_fp8_train(leaves[0], ids, *leaves[1:], check_ids=False),
                  train_mokgen_bf16=lambda: mokgen.moe(leaves[0], ids, *leaves[1:], check_ids=False),
                  train_torch_grouped_mm=lambda: experts_torch(leaves[0], ids, *leaves[1:]))
-    rows = []
+    # Where the FP8 step's time goes: the experts' quantisation (every call of moe_fp8_train)
+    # and the backward's kernels alone (Variant.backward_fp8: every gradient).
+    from mokgen.fp8 import quantize_experts
+
+    experts = quantize_experts(wg, wu, wd)
+    v8 = mokgen.load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8"))
+    rows = [dict(T=T, impl="quantize_experts_fp8", ms=timed(lambda: quantize_experts(wg, wu, wd))),
+            dict(T=T, impl="backward_fp8", ms=timed(lambda: v8.backward_fp8(dout, x, ids, w, experts)))]
+    rows[1]["tflops"] = 6 * flops / 9 / rows[1]["ms"] / 1e9
+    del experts
     for name, fn in impls.items():
         def call():
             for t in leaves:
@@ -232,7 +241,8 @@ def training(T, x, ids, wg, wu, wd, g, flops):
     print(f"E{E} K{K} H{H} I{I} T={T}: forward + backward fp8 {ms['train_mokgen_fp8']:.3f} ms  bf16 "
           f"{ms['train_mokgen_bf16']:.3f} ms  torch grouped_mm {ms['train_torch_grouped_mm']:.3f} ms  fp8 / bf16 "
           f"{ms['train_mokgen_bf16'] / ms['train_mokgen_fp8']:.2f}x, fp8 / torch "
-          f"{ms['train_torch_grouped_mm'] / ms['train_mokgen_fp8']:.2f}x", flush=True)
+          f"{ms['train_torch_grouped_mm'] / ms['train_mokgen_fp8']:.2f}x  (of the fp8 step: quantising the experts "
+          f"{ms['quantize_experts_fp8']:.3f} ms, the backward's kernels {ms['backward_fp8']:.3f} ms)", flush=True)
     return rows
 
 

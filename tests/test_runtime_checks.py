@@ -92,3 +92,24 @@ def test_calls_from_router_logits_take_the_one_launch_where_the_fused_launch_ser
     ep = make_plan(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2,
                            topology="nvlink")).to_dict()
     assert not routes_in_launch(ep, 1)  # expert parallel: route, then the layer
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_too_many_tokens_for_32_bit_offsets_are_refused_with_the_batch_that_fits(dtype):
+    from mokgen.ir import MoESpec
+    from mokgen.runtime.variant import buffer_shapes_at, call_buffer_fns, check_offsets
+    from mokgen.schedule import make_plan
+
+    plan = make_plan(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048, dtype=dtype)).to_dict()
+    fns = call_buffer_fns(plan)
+
+    def shapes(t):
+        return buffer_shapes_at(fns, t)
+
+    check_offsets("v", shapes, 8192)  # the benchmark's T; the weight gradients (> 2^31 at E256) do not count
+    with pytest.raises(InputError, match="too many tokens") as e:
+        check_offsets("v", shapes, 100_000)
+    fits = int(str(e.value).rsplit("at most ", 1)[1].split()[0])
+    check_offsets("v", shapes, fits)
+    with pytest.raises(InputError):
+        check_offsets("v", shapes, fits + 1)

@@ -9,6 +9,7 @@ so a call can be captured in a CUDA graph.
 
 import functools
 import json
+import math
 import re
 from pathlib import Path
 from typing import Optional
@@ -93,6 +94,38 @@ def routes_in_launch(plan: dict, tokens: int) -> bool:
     return "forward_fused" not in plan["steps"] or forward_entry(plan, tokens) == "forward_fused"
 
 
+def call_buffer_fns(plan: dict) -> list:
+    """(name, dtype, [shape functions of (T, C, RC)], init) of the buffers allocated per call."""
+    return [(b["name"], DTYPES[b["dtype"]],
+             [sympy.lambdify((T_SYM, C_SYM, RC_SYM), sympy.sympify(s, locals={"T": T_SYM, "C": C_SYM, "RC": RC_SYM}),
+                             "math") for s in b["shape"]], b["init"])
+            for b in plan["buffers"] if b.get("memory", "call") == "call"]
+
+
+def buffer_shapes_at(fns: list, tokens: int, sizes: tuple = (0, 0)) -> tuple:
+    return tuple((name, dt, tuple(int(f(tokens, *sizes)) for f in shape), init) for name, dt, shape, init in fns)
+
+
+def check_offsets(variant: str, shapes, tokens: int) -> None:
+    """InputError when a buffer that grows with the tokens passes 2^31 elements at T = tokens
+    (shapes(t): buffer_shapes_at's tuple at T = t). The generated kernels address rows with
+    32-bit offsets; the weight gradients, whose size does not depend on T, are addressed per
+    expert from 64-bit bases or by TMA."""
+    def largest(t):  # (elements, name, shape) of the largest buffer that grows with T
+        return max(((math.prod(s), name, s) for (name, _, s, _), (_, _, s1, _) in zip(shapes(t), shapes(1))
+                    if s != s1), default=(0,))
+
+    n, *where = largest(tokens)
+    if n >= 2 ** 31:
+        lo, hi = 1, tokens  # the most tokens one call takes (largest(lo) fits)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if largest(mid)[0] < 2 ** 31 else (lo, mid)
+        raise InputError(f"{variant}: T={tokens} is too many tokens for one call: the buffer {where[0]} "
+                         f"{list(where[1])} passes 2^31 elements, beyond the kernels' 32-bit offsets; split the "
+                         f"batch into calls of at most {lo} tokens")
+
+
 class Variant:
     def __init__(self, path: "Path"):
         self.path = Path(path)
@@ -115,13 +148,7 @@ class Variant:
         # Buffers allocated per call, from T (and, expert parallel, the peer workspace's
         # capacity C); an expert-parallel variant's others live in its peer workspace
         # (runtime/peers.py).
-        self._buffer_fns = [
-            (b["name"], DTYPES[b["dtype"]],
-             [sympy.lambdify((T_SYM, C_SYM, RC_SYM), sympy.sympify(s, locals={"T": T_SYM, "C": C_SYM, "RC": RC_SYM}),
-                             "math")
-              for s in b["shape"]], b["init"])
-            for b in self.plan["buffers"] if b.get("memory", "call") == "call"
-        ]
+        self._buffer_fns = call_buffer_fns(self.plan)
         # "state" buffers (the single launch's dispatch counters): zeroed once per device and
         # stream, then kept; the kernels leave them zeroed. One per stream, so calls on two
         # streams never share counters.
@@ -158,12 +185,16 @@ class Variant:
     def buffer_shapes(self, tokens: int, sizes: tuple = (0, 0)) -> tuple:
         """(name, dtype, shape, init) of the per-call buffers at T = tokens and (expert
         parallel) the peer workspace's sizes (C, RC)."""
-        return tuple((name, dt, tuple(int(f(tokens, *sizes)) for f in fns), init)
-                     for name, dt, fns, init in self._buffer_fns)
+        return buffer_shapes_at(self._buffer_fns, tokens, sizes)
 
     # Debug aid for the golden tests: fill every uninitialised workspace buffer with
     # NaN (floats) or -1 (ints) so that a read of anything not written shows up.
     poison = False
+
+    @functools.lru_cache(maxsize=64)
+    def check_offsets(self, tokens: int, sizes: tuple = (0, 0)) -> None:
+        """See check_offsets (module level)."""
+        check_offsets(self.name, lambda t: self.buffer_shapes(t, sizes), tokens)
 
     @functools.lru_cache(maxsize=16)
     def entry_buffers(self, entry: str) -> frozenset:
@@ -181,6 +212,7 @@ class Variant:
         the peer workspace's sizes), then the peer workspace's own."""
         ws = {}
         sizes = peers.sizes if peers is not None else (0, 0)
+        self.check_offsets(tokens, sizes)
         # the backward's saved tensors are the caller's (what the training forward returned)
         used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ())
         zeroed = self.plan.get("zeroed", {}).get(entry, ())
