@@ -492,3 +492,45 @@ def test_fp8_over_two_gpus_golden():
     from test_multinode_gpu import run_workers
 
     run_workers("fp8_ep_worker.py", "FP8 EP golden: PASS")
+
+
+def test_fp8_weight_gradients_of_the_last_experts_at_e256_h7168():
+    """The weight gradients of the DeepSeek-V3 layer, whose gradient matrices together pass 2^31
+    elements (each expert's is addressed from a 64-bit base): tokens routed to the last six
+    experts only (two slots of each token empty); their gradients against the float64
+    emulation of those experts, and every other expert's exactly zero (a wrapped 32-bit
+    offset wrote the last experts' tiles over the first ones' and beyond)."""
+    import dataclasses
+
+    import mokgen
+    from mokgen.fp8 import REQUANTIZED_TOLERANCE, moe_fp8_backward_emulated, quantize_experts
+    from mokgen.verify import dot_error_scales, gradient_error
+
+    shape = (256, 8, 7168, 2048)
+    E, K, H, I = shape
+    v = fp8_variant(shape)
+    g = torch.Generator(device="cuda").manual_seed(7168)
+    T, first = 300, E - 6
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(6, device="cuda", generator=g) for _ in range(T)])  # every expert once
+    ids = torch.cat([ids, torch.full((T, K - ids.shape[1]), -1, device="cuda")], 1).to(torch.int32)
+    ids[ids >= 0] += first
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
+    wg, wu = (torch.randn(E, I, H, device="cuda", generator=g).to(torch.bfloat16) / H ** 0.5 for _ in range(2))
+    wd = torch.randn(E, H, I, device="cuda", generator=g).to(torch.bfloat16) / I ** 0.5
+    experts = quantize_experts(wg, wu, wd)
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    got = v.backward_fp8(dout, x, ids, w, experts)
+    mokgen.check_errors()
+    for k in ("d_w_gate", "d_w_up", "d_w_down"):
+        assert not got[k][:first].any(), f"{k}: an expert without rows got a non-zero gradient"
+    last = dataclasses.replace(experts, **{f.name: dataclasses.replace(
+        getattr(experts, f.name), values=getattr(experts, f.name).values[first:],
+        scales=getattr(experts, f.name).scales[first:]) for f in dataclasses.fields(experts)})
+    local = torch.where(ids >= 0, ids - first, ids)
+    want = moe_fp8_backward_emulated(dout, x, local, w, last)
+    scale = dot_error_scales(dout, x, local, wg[first:], wu[first:], wd[first:])
+    for k in ("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"):
+        ref = want[k] if k == "d_topk_weights" else want[k].to(torch.bfloat16).double()
+        mine = got[k][first:] if k.startswith("d_w") else got[k]
+        assert gradient_error(k, mine, ref, scale) <= REQUANTIZED_TOLERANCE, k
