@@ -143,18 +143,24 @@ def test_moe_fp8_refuses_bad_input_before_any_launch():
 
 
 def test_the_fp8_plan_decides_its_k_loops_and_unit_counters_and_checks_overrides():
-    """The K loop is unrolled whole while a unit's K blocks fit the instruction cache (E64:
-    gate/up 2 x 16, down 8), a runtime loop past it (E256 H7168: gate/up 2 x 56); overrides
-    replace that and nothing else is accepted; each GEMM claims its units from its own slot of
-    the tile_counters that dispatch zeroes."""
-    from mokgen.schedule.fp8 import FP8_UNROLLED_K_BLOCKS
+    """128 x 128 tiles: the K loop is unrolled whole while a unit's K blocks fit the instruction
+    cache (E64: gate/up 2 x 16, down 8), a runtime loop past it (E256 H7168: gate/up 2 x 56);
+    128 x 256 tiles: a runtime loop of FP8_WIDE_UNROLL blocks (unrolled whole, it spilled).
+    Overrides replace that and nothing else is accepted; each GEMM claims its units from its own
+    slot of the tile_counters that dispatch zeroes."""
+    from mokgen.schedule.fp8 import FP8_UNROLLED_K_BLOCKS, FP8_WIDE_UNROLL
+
+    narrow = {f"{g}.tile_n": 128 for g in ("gemm_gateup_fp8", "gemm_down_fp8")}
 
     def gemms(spec, overrides=None):
         plan = make_plan(spec, overrides=overrides)
         return plan, {k.name: k for k in plan.kernels}
 
-    plan, k = gemms(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8"))
+    e64 = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8")
+    plan, k = gemms(e64, narrow)
     assert k["gemm_gateup_fp8"].params["k_unroll"] == 0 and k["gemm_down_fp8"].params["k_unroll"] == 0
+    plan, k = gemms(e64)
+    assert k["gemm_gateup_fp8"].params["k_unroll"] == FP8_WIDE_UNROLL == k["gemm_down_fp8"].params["k_unroll"]
     slots = {k[n].params["sched_slot"] for n in ("gemm_gateup_fp8", "gemm_down_fp8")}
     assert len(slots) == 2
     counters = next(b for b in plan.buffers if b.name == "tile_counters")
@@ -162,7 +168,7 @@ def test_the_fp8_plan_decides_its_k_loops_and_unit_counters_and_checks_overrides
     assert all(any(a.tensor == "tile_counters" for a in k[n].args) for n in ("gemm_gateup_fp8", "gemm_down_fp8",
                                                                              "dispatch_count"))
     big = MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048, dtype="fp8")
-    plan, k = gemms(big)
+    plan, k = gemms(big, narrow)
     assert 2 * 7168 // 128 > FP8_UNROLLED_K_BLOCKS and k["gemm_gateup_fp8"].params["k_unroll"] == 1
     assert k["gemm_down_fp8"].params["k_unroll"] == 0 and any("K loop" in d for d in plan.decisions)
     plan, k = gemms(big, {"gemm_gateup_fp8.k_unroll": 4})
@@ -171,6 +177,30 @@ def test_the_fp8_plan_decides_its_k_loops_and_unit_counters_and_checks_overrides
         make_plan(big, overrides={"row_tile": 64})
     with pytest.raises(PlanError, match="integer >= 0"):
         make_plan(big, overrides={"gemm_down_fp8.k_unroll": -1})
+
+
+def test_fp8_gemms_take_128_x_256_tiles_where_n_allows():
+    """Two weight tiles per unit where N is a multiple of 256 (fewer stages in the same shared
+    memory, no stash for gate/up), 128 x 128 where it is not or where a cluster is asked for;
+    the override tile_n picks, and an impossible one is refused."""
+    def params(spec, overrides=None):
+        return {k.name: k.params for k in make_plan(spec, overrides=overrides).kernels}
+
+    p = params(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8"))
+    gemms = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
+    assert all(p[g]["b_tiles"] == 2 and p[g]["stages"] == 4 for g in gemms)
+    odd = MoESpec(experts=8, topk=2, hidden=1152, intermediate=512, dtype="fp8")  # H: 9 weight tiles
+    p = params(odd)
+    assert p["gemm_down_fp8"]["b_tiles"] == 1 and p["gemm_down_fp8"]["stages"] == 6
+    assert p["gemm_gateup_fp8"]["b_tiles"] == 2
+    with pytest.raises(PlanError, match="not a multiple of 256"):
+        params(odd, {"gemm_down_fp8.tile_n": 256})
+    with pytest.raises(PlanError, match="128 or 256"):
+        params(odd, {"gemm_down_fp8.tile_n": 192})
+    p = params(odd, {"gemm_gateup_fp8.cluster": 2})
+    assert p["gemm_gateup_fp8"]["b_tiles"] == 1 and p["gemm_gateup_fp8"]["cluster_n"] == 2
+    with pytest.raises(PlanError, match="do not take clusters"):
+        params(odd, {"gemm_gateup_fp8.cluster": 2, "gemm_gateup_fp8.tile_n": 256})
 
 
 def test_fp8_clusters_are_an_override_that_needs_paired_units():

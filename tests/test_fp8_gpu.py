@@ -11,7 +11,11 @@ pytestmark = pytest.mark.gpu
 FP8_SHAPES = [(8, 2, 1024, 512), (64, 8, 2048, 1024)]
 # Builds with Plan overrides the GEMM golden tests also run (benchmarks/build_gpu_variants.py
 # builds them under generated/experiments/<name>): None is the default build.
-FP8_EXPERIMENTS = {"fp8_cluster": {"gemm_gateup_fp8.cluster": 2, "gemm_down_fp8.cluster": 2}}
+FP8_EXPERIMENTS = {"fp8_cluster": {"gemm_gateup_fp8.cluster": 2, "gemm_down_fp8.cluster": 2},
+                   # 128 x 128 tiles (two block accumulators per warpgroup) in every forward and dgrad
+                   # GEMM, where the default takes 128 x 256
+                   "fp8_narrow": {f"{g}.tile_n": 128 for g in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8",
+                                                               "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")}}
 BUILDS = [None, *FP8_EXPERIMENTS]
 
 
@@ -126,7 +130,8 @@ def test_down_gemm_fp8_golden(shape, T, routing, build):
 @pytest.mark.parametrize("T", [1, 1000, 4096])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
 @pytest.mark.parametrize("which", ["down", "gateup"])
-def test_dgrad_gemms_fp8_golden(shape, T, routing, which):
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b or "default")
+def test_dgrad_gemms_fp8_golden(shape, T, routing, which, build):
     """The backward's FP8 data gradients over the transposed weight copies of quantize_experts:
     dh = dy @ w_down (B = down_t) and dxs = [da | db] @ [w_gate; w_up] (B = gate_up_t, the
     2I columns interleaved per 64 as the gate/up GEMM writes them)."""
@@ -134,7 +139,7 @@ def test_dgrad_gemms_fp8_golden(shape, T, routing, which):
 
     E, K, H, I = shape
     v, (_, ids, _, wg, wu, wd, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
-                                                                                    T * 19 + len(routing))
+                                                                                    T * 19 + len(routing), build)
     experts = quantize_experts(wg, wu, wd)
     k_size = H if which == "down" else 2 * I
     a = torch.randn(rows, k_size, device="cuda", generator=g)
@@ -232,7 +237,8 @@ def test_quantize_rows_fp8_golden(shape, T, routing):
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
 @pytest.mark.parametrize("T", [1, 7, 1000, 4096])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
-def test_fp8_forward_golden(shape, T, routing):
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b or "default")
+def test_fp8_forward_golden(shape, T, routing, build):
     """mokgen.moe_fp8, the whole FP8 forward (dispatch, the rows in e4m3, gate/up, down,
     combine), poisoned workspace and output: against the float64 emulation from the same
     quantised operands within REQUANTIZED_TOLERANCE (h is quantised again), and against the bf16 layer's float64 reference within the
@@ -241,11 +247,12 @@ def test_fp8_forward_golden(shape, T, routing):
     from mokgen.fp8 import FP8_TOLERANCE, REQUANTIZED_TOLERANCE, moe_fp8_emulated, quantize_experts
     from mokgen.reference import moe_reference, rel_error
 
-    v, (x, ids, w, wg, wu, wd, _), _, _ = routed_case(shape, T, routing, T * 17 + len(routing))
+    v, (x, ids, w, wg, wu, wd, _), _, _ = routed_case(shape, T, routing, T * 17 + len(routing), build)
     experts = quantize_experts(wg, wu, wd)
     v.poison = True
     try:
-        out = mokgen.moe_fp8(x, ids, w, experts)
+        # (an experiment's build is not the one mokgen.moe_fp8 finds: its variant runs it)
+        out = mokgen.moe_fp8(x, ids, w, experts) if build is None else v.forward_fp8(x, ids, w, experts)
     finally:
         v.poison = False
     mokgen.check_errors()
@@ -258,14 +265,15 @@ def test_fp8_forward_golden(shape, T, routing):
 @pytest.mark.parametrize("routing", ["uniform", "dropped"])
 @pytest.mark.parametrize("T", [1, 1000])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
-def test_recompute_gemm_fp8_golden(shape, T, routing):
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b or "default")
+def test_recompute_gemm_fp8_golden(shape, T, routing, build):
     """The backward's recompute of the gate/up products (bf16, interleaved): the plain GEMM over
     the interleaved weights."""
     from mokgen.fp8 import FP8Weights, interleave_gate_up, quantize_blocks
 
     E, K, H, I = shape
     v, (_, ids, _, wg, wu, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
-                                                                                   T * 23 + len(routing))
+                                                                                   T * 23 + len(routing), build)
     x_rows = torch.randn(rows, H, device="cuda", generator=g)
     x_rows[row_expert.cuda() < 0] = 0.0
     check_plain_gemm(v, "bwd_recompute_fp8", ("x_rows_q", "w13_q", "a13"), x_rows,
@@ -275,7 +283,8 @@ def test_recompute_gemm_fp8_golden(shape, T, routing):
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
 @pytest.mark.parametrize("T", [1, 7, 1000, 4096])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
-def test_fp8_backward_data_golden(shape, T, routing):
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b or "default")
+def test_fp8_backward_data_golden(shape, T, routing, build):
     """The FP8 backward's data gradients (dx, d_topk_weights; Variant.backward_data_fp8:
     dispatch, x and dout in e4m3, the products recomputed, dh, the SwiGLU backward writing
     [da | db] in e4m3, dx's rows, their sum per token), poisoned outputs and workspace: against
@@ -286,7 +295,7 @@ def test_fp8_backward_data_golden(shape, T, routing):
     from mokgen.reference import moe_reference_backward, rel_error
     from mokgen.verify import dot_error_scales, gradient_error
 
-    v, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, T, routing, T * 29 + len(routing))
+    v, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, T, routing, T * 29 + len(routing), build)
     experts = quantize_experts(wg, wu, wd)
     dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
     v.poison = True
@@ -410,7 +419,8 @@ def test_wgrad_gemms_fp8_golden(shape, T, routing, which):
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
 @pytest.mark.parametrize("T", [1, 7, 1000, 4096])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
-def test_fp8_backward_golden(shape, T, routing):
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b or "default")
+def test_fp8_backward_golden(shape, T, routing, build):
     """Every gradient of the FP8 layer (Variant.backward_fp8: the data gradients' chain, the
     weight gradients' operands quantised per 128-row block of each column, the FP8 weight-
     gradient GEMMs), poisoned outputs and workspace: against the float64 emulation of the same
@@ -423,7 +433,7 @@ def test_fp8_backward_golden(shape, T, routing):
     from mokgen.verify import dot_error_scales, gradient_error
 
     E = shape[0]
-    v, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, T, routing, T * 43 + len(routing))
+    v, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, T, routing, T * 43 + len(routing), build)
     experts = quantize_experts(wg, wu, wd)
     dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
     v.poison = True

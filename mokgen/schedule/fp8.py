@@ -42,6 +42,7 @@ FP8_TILE_N = FP8_BLOCK
 FP8_MMA_WARPGROUPS = 2
 FP8_WG_THREADS = 128
 FP8_STAGES = 6  # 32 KB per stage (128 x 128 e4m3 of A and of B): 192 KB
+FP8_AB_SMEM = FP8_STAGES * (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # the A and B stages' shared memory, any tile
 FP8_PRODUCER_REGS = 40
 FP8_CONSUMER_REGS = 232  # the sum and the block accumulator: 2 x 64 fp32 per thread at N = 128
 # A GEMM's K loop is unrolled whole up to this many K blocks per unit of work (K blocks times
@@ -54,7 +55,36 @@ FP8_SCHED_STAGES = 2  # unit slots between a GEMM's scheduler and its consumers 
 # runtime iteration of the mainloop (k_unroll: 0 = the whole loop unrolled; otherwise the
 # number of 2-block steps per iteration).
 FP8_GEMMS = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
-FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "cluster"))
+FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "cluster", "tile_n"))
+# A GEMM's unit of work spans FP8_WIDE_B_TILES weight tiles side by side in N (a 128 x 256
+# tile) where N allows: A's bytes into the SM per FLOP fall by a third, at the cost of one block
+# accumulator per warpgroup instead of two (the two sums take the second's registers). On an
+# H200 at E256 T=8192 the gate/up GEMM went from 6.20 to 5.42 ms, the down GEMM from 2.77 to
+# 2.68 ms; at E64 T=16384 both about the same (docs/fp8.md).
+FP8_WIDE_B_TILES = 2
+FP8_WIDE_UNROLL = 2  # K blocks per runtime iteration of a wide tile's mainloop (no spills; 1, 2, 4 checked)
+
+
+def b_tiles(name: str, n_size: int, cluster: int, overrides: dict) -> tuple[int, str]:
+    """(B tiles per unit of work, why) for a GEMM over n_size columns: wide where n_size is a
+    multiple of the wide tile and no cluster is asked for; the override tile_n picks."""
+    key = f"{name}.tile_n"
+    wide = FP8_WIDE_B_TILES * FP8_TILE_N
+    fits = n_size % wide == 0 and cluster == 1
+    want = int(overrides.get(key, wide if fits else FP8_TILE_N))
+    if want not in (FP8_TILE_N, wide):
+        raise_plan_error(f"override {key} must be {FP8_TILE_N} or {wide}, got {want}")
+    src = " (override)" if key in overrides else ""
+    if want == FP8_TILE_N:
+        why = "" if src else f" ({n_size} columns are not a multiple of {wide})" if n_size % wide else \
+            " (clusters take 128-wide tiles)"
+        return 1, f"{name}: {FP8_TILE_M} x {FP8_TILE_N} tiles, two block accumulators per warpgroup{src or why}"
+    if n_size % wide:
+        raise_plan_error(f"override {key}: {n_size} columns are not a multiple of {wide}")
+    if cluster > 1:
+        raise_plan_error(f"override {key}: {wide}-wide tiles do not take clusters ({name}.cluster)")
+    return FP8_WIDE_B_TILES, (f"{name}: {FP8_TILE_M} x {wide} tiles ({FP8_WIDE_B_TILES} weight tiles per unit), one "
+                              f"block accumulator per warpgroup{src}")
 
 
 def cluster_n(name: str, units_n: int, overrides: dict) -> tuple[int, str]:
@@ -80,11 +110,15 @@ def raise_plan_error(message: str):
     raise PlanError(message)
 
 
-def k_unroll(name: str, k_blocks: int, passes: int, overrides: dict) -> tuple[int, str]:
-    """(k_unroll, why) for a GEMM's mainloop: 0 unrolls it whole, n > 0 unrolls n of its 2-block steps."""
+def k_unroll(name: str, k_blocks: int, passes: int, overrides: dict, wide: bool = False) -> tuple[int, str]:
+    """(k_unroll, why) for a GEMM's mainloop: 0 unrolls it whole, n > 0 unrolls n of its 2-block
+    steps (wide tiles: n K blocks)."""
     key = f"{name}.k_unroll"
     if key in overrides:
         return int(overrides[key]), f"{name}: K loop unroll {overrides[key]} (override)"
+    if wide:
+        return FP8_WIDE_UNROLL, (f"{name}: K loop in a runtime loop of {FP8_WIDE_UNROLL} K blocks per iteration "
+                                 f"(wide tiles: unrolled whole, the down GEMM spilled registers)")
     if k_blocks * passes <= FP8_UNROLLED_K_BLOCKS:
         return 0, f"{name}: K loop unrolled whole ({k_blocks * passes} K blocks per unit <= {FP8_UNROLLED_K_BLOCKS})"
     return 1, (f"{name}: K loop in a runtime loop of 2-block steps ({k_blocks * passes} K blocks per unit > "
@@ -125,7 +159,9 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     sched = {name: dict(sched_slot=twin_gemms[bf16].params["sched_slot"], sched_stages=FP8_SCHED_STAGES)
              for name, bf16 in twin_of.items()}
     gateup_cluster, why_gateup_cluster = cluster_n("gemm_gateup_fp8", I // FP8_BLOCK, overrides)
-    gateup_unroll, why_gateup = k_unroll("gemm_gateup_fp8", H // FP8_BLOCK, 2, overrides)
+    gateup_b_tiles, why_gateup_tile = b_tiles("gemm_gateup_fp8", 2 * I, gateup_cluster, overrides)
+    gateup_unroll, why_gateup = k_unroll("gemm_gateup_fp8", H // FP8_BLOCK, 2, overrides, wide=gateup_b_tiles > 1)
+    gateup_stages = FP8_AB_SMEM // ((FP8_TILE_M + gateup_b_tiles * FP8_TILE_N) * FP8_BLOCK)
     threads = FP8_WG_THREADS * (1 + FP8_MMA_WARPGROUPS)  # a producer warpgroup, the consumers
     stage_bytes = (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # e4m3 A and B tiles of one K block
     # gate/up keeps the first pass's h (fp32) per consumer thread until the second pass
@@ -136,15 +172,18 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         """C [M, n_size] bf16 = A [M, k_size] (e4m3, 1 x 128 row scales) @ B[e]^T (B [E, n_size,
         k_size] e4m3, 128 x 128 scales) per used M tile of expert e: the template's plain mode."""
         cluster, why_cluster = cluster_n(name, n_size // FP8_TILE_N, overrides)
-        unroll, why_unroll = k_unroll(name, k_size // FP8_BLOCK, 1, overrides)
-        why.extend([why_unroll, why_cluster])
+        tiles, why_tile = b_tiles(name, n_size, cluster, overrides)
+        unroll, why_unroll = k_unroll(name, k_size // FP8_BLOCK, tiles, overrides, wide=tiles > 1)
+        why.extend([why_tile, why_unroll, why_cluster])
+        stages = FP8_AB_SMEM // ((FP8_TILE_M + tiles * FP8_TILE_N) * FP8_BLOCK)
         return KernelPlan(
             name=name, stage=stage, module=name, template="grouped_gemm_fp8.py.j2", entry="main",
             params=dict(name=name, class_name=class_name, doc=doc, tile_m=FP8_TILE_M, tile_n=FP8_TILE_N,
                         tile_k=FP8_BLOCK, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX,
-                        mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES, n_size=n_size, k_size=k_size,
+                        mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages, n_size=n_size, k_size=k_size,
                         groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
-                        consumer_regs=FP8_CONSUMER_REGS, k_unroll=unroll, cluster_n=cluster, **sched[name]),
+                        consumer_regs=FP8_CONSUMER_REGS, k_unroll=unroll, cluster_n=cluster, b_tiles=tiles,
+                        **sched[name]),
             # (scales row-major [M, K/128]: a tensor's dynamic extent may only be its first, as
             # the launch shim passes no strides)
             args=[KernelArg("a", a, "e4m3", ["M", k_size]),
@@ -154,11 +193,11 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                   KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
                   KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
                   KernelArg("c", c, "bf16", ["M", n_size])],
-            grid=f"(min({target.sms}, MT * {n_size // FP8_TILE_N}),)", block=threads,
+            grid=f"(min({target.sms}, MT * {n_size // (tiles * FP8_TILE_N)}),)", block=threads,
             warp_roles=["warpgroup 0, warp 0: the unit scheduler and TMA producer of the A and B stages",
                         "warpgroups 1-2: QGMMA per 128-wide K block, then its promotion times the row and block "
                         "scales"],
-            smem_bytes=FP8_STAGES * stage_bytes)
+            smem_bytes=stages * (FP8_TILE_M + tiles * FP8_TILE_N) * FP8_BLOCK)
 
     down = blockwise_gemm("gemm_down_fp8", "GemmDownFP8", "gemm_down",
                           "FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
@@ -183,10 +222,10 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     doc="FP8 gate/up projection with SwiGLU: h = silu(x @ w_gate^T) * (x @ w_up^T) per expert, "
                         "blockwise scaled, written in e4m3 with 1 x 128 scales.",
                     tile_m=FP8_TILE_M, tile_n=FP8_TILE_N, tile_k=FP8_BLOCK, scale_block=FP8_BLOCK,
-                    e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES,
+                    e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=gateup_stages,
                     n_size=2 * I, k_size=H, groups=E, threads=threads, sms=target.sms,
                     producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS, k_unroll=gateup_unroll,
-                    cluster_n=gateup_cluster, **sched["gemm_gateup_fp8"]),
+                    cluster_n=gateup_cluster, b_tiles=gateup_b_tiles, **sched["gemm_gateup_fp8"]),
         args=[KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
               KernelArg("a_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK]),
               KernelArg("b", "w13_q", "e4m3", [E, 2 * I, H]),
@@ -198,8 +237,10 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         grid=f"(min({target.sms}, MT * {I // FP8_BLOCK}),)", block=threads,
         warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
                     "warpgroups 1-2: QGMMA per 128-wide K block and its promotion; per 1 x 128 block of h, two "
-                    "passes (gate and up interleaved per 64 columns), SwiGLU, the row's amax, h in e4m3"],
-        smem_bytes=FP8_STAGES * stage_bytes + stash_bytes)
+                    + ("weight tiles per K block" if gateup_b_tiles > 1 else "passes")
+                    + " (gate and up interleaved per 64 columns), SwiGLU, the row's amax, h in e4m3"],
+        smem_bytes=gateup_stages * (FP8_TILE_M + gateup_b_tiles * FP8_TILE_N) * FP8_BLOCK
+        + (0 if gateup_b_tiles > 1 else stash_bytes))
     quant_threads = 256
     quantize = KernelPlan(
         name="quantize_rows_fp8", stage="send", module="quantize_rows_fp8", template="quantize_rows_fp8.py.j2",
@@ -346,6 +387,6 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
                    "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
                    "combine; each FP8 kernel is also an entry point of its own for its golden test (docs/fp8.md)",
-                   why_gateup, why_gateup_cluster, *why]
+                   why_gateup_tile, why_gateup, why_gateup_cluster, *why]
         + ([f"overrides {json.dumps(overrides, sort_keys=True)}"] if overrides else []),
         overrides=overrides)
