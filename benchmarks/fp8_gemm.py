@@ -12,7 +12,9 @@ order and in e4m3; the bf16 one gathers them from x.)
 d_topk_weights, recomputing the forward's products) against torch's bf16 autograd of the same
 gradients (the weights frozen, the forward's activations saved).
 --train times forward + backward through autograd: mokgen.moe_fp8_train (the experts quantised
-on each call, every gradient in FP8), mokgen.moe (bf16) and torch grouped_mm, 18 T K H I FLOPs.
+on each call, and quantised once as over one optimizer step's micro-batches; every gradient in
+FP8), mokgen.moe (bf16) and torch grouped_mm, 18 T K H I FLOPs; and, alone, the experts'
+quantisation and the FP8 backward's kernels.
 
 The layer's line also times torch grouped_mm (bf16, mokgen/bench.py's baseline) in the same run.
 """
@@ -207,8 +209,9 @@ def backward_data(v8, T, x, ids, wg, wu, wd, g, fl):
 
 def training(T, x, ids, wg, wu, wd, g, flops):
     """Forward + backward through autograd (gradients reset between calls): the FP8 layer over
-    bf16 master weights (quantised on each call, as a training step must), the bf16 layer, and
-    torch grouped_mm (mokgen.module.experts_torch)."""
+    bf16 master weights (quantised on each call, as a training step without gradient
+    accumulation must; and quantised once, as over the micro-batches of one optimizer step),
+    the bf16 layer, and torch grouped_mm (mokgen.module.experts_torch)."""
     from mokgen.module import experts_torch
 
     E, K = wg.shape[0], ids.shape[1]
@@ -216,19 +219,21 @@ def training(T, x, ids, wg, wu, wd, g, flops):
     w = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
     dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
     leaves = [t.clone().requires_grad_() for t in (x, w, wg, wu, wd)]
+    once = mokgen.quantize_experts_fp8(wg, wu, wd, K)  # (once per optimizer step, over several micro-batches)
     impls = dict(train_mokgen_fp8=lambda: mokgen.moe_fp8_train(leaves[0], ids, *leaves[1:], check_ids=False),
+                 train_mokgen_fp8_quantised_once=lambda: mokgen.moe_fp8_train(leaves[0], ids, *leaves[1:],
+                                                                              experts=once, check_ids=False),
                  train_mokgen_bf16=lambda: mokgen.moe(leaves[0], ids, *leaves[1:], check_ids=False),
                  train_torch_grouped_mm=lambda: experts_torch(leaves[0], ids, *leaves[1:]))
-    # Where the FP8 step's time goes: the experts' quantisation (every call of moe_fp8_train)
-    # and the backward's kernels alone (Variant.backward_fp8: every gradient).
-    from mokgen.fp8 import quantize_experts
-
-    experts = quantize_experts(wg, wu, wd)
+    # Where the FP8 step's time goes: the experts' quantisation (every call of moe_fp8_train:
+    # the variant's kernels) and the backward's kernels alone (Variant.backward_fp8: every gradient).
     v8 = mokgen.load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8"))
-    rows = [dict(T=T, impl="quantize_experts_fp8", ms=timed(lambda: quantize_experts(wg, wu, wd))),
-            dict(T=T, impl="backward_fp8", ms=timed(lambda: v8.backward_fp8(dout, x, ids, w, experts)))]
+    experts = v8.quantize_experts_fp8(wg, wu, wd)
+    _, a13 = v8.forward_fp8(x, ids, w, experts, save=True)  # (the products the training forward saves)
+    rows = [dict(T=T, impl="quantize_experts_fp8", ms=timed(lambda: v8.quantize_experts_fp8(wg, wu, wd))),
+            dict(T=T, impl="backward_fp8", ms=timed(lambda: v8.backward_fp8(dout, x, ids, w, experts, a13=a13)))]
     rows[1]["tflops"] = 6 * flops / 9 / rows[1]["ms"] / 1e9
-    del experts
+    experts = a13 = None
     for name, fn in impls.items():
         def call():
             for t in leaves:
@@ -242,7 +247,9 @@ def training(T, x, ids, wg, wu, wd, g, flops):
           f"{ms['train_mokgen_bf16']:.3f} ms  torch grouped_mm {ms['train_torch_grouped_mm']:.3f} ms  fp8 / bf16 "
           f"{ms['train_mokgen_bf16'] / ms['train_mokgen_fp8']:.2f}x, fp8 / torch "
           f"{ms['train_torch_grouped_mm'] / ms['train_mokgen_fp8']:.2f}x  (of the fp8 step: quantising the experts "
-          f"{ms['quantize_experts_fp8']:.3f} ms, the backward's kernels {ms['backward_fp8']:.3f} ms)", flush=True)
+          f"{ms['quantize_experts_fp8']:.3f} ms, the backward's kernels {ms['backward_fp8']:.3f} ms); quantised once "
+          f"per optimizer step: fp8 {ms['train_mokgen_fp8_quantised_once']:.3f} ms, fp8 / bf16 "
+          f"{ms['train_mokgen_bf16'] / ms['train_mokgen_fp8_quantised_once']:.2f}x", flush=True)
     return rows
 
 
