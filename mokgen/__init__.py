@@ -5,7 +5,8 @@
 
 Public API: MoESpec, load, moe (differentiable), route, moe_routed (route + moe, one launch
 where it can), moe_fp8 (FP8 experts; differentiable in x and the routing weights), moe_fp8_train
-(the FP8 layer over bf16 weights, differentiable in all), check_errors, MoE (an nn.Module).
+(the FP8 layer over bf16 weights, differentiable in all), quantize_experts_fp8 (bf16 weights to
+FP8 on the GPU), check_errors, MoE (an nn.Module).
 """
 __version__ = "0.1.0"
 
@@ -36,12 +37,21 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids=True, group=None):
     return _moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids, group=group)
 
 
-def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, check_ids=True):
-    """The FP8 layer over bf16 master weights (quantised on each call), differentiable in every
-    input (see mokgen.runtime.moe_fp8_train)."""
+def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=None, check_ids=True):
+    """The FP8 layer over bf16 master weights (quantised on each call, or once per optimizer step:
+    experts=quantize_experts_fp8(...)), differentiable in every input (see
+    mokgen.runtime.moe_fp8_train)."""
     from .runtime import moe_fp8_train as _moe_fp8_train
 
-    return _moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids=check_ids)
+    return _moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, experts=experts, check_ids=check_ids)
+
+
+def quantize_experts_fp8(w_gate, w_up, w_down, topk):
+    """The experts' FP8 weights quantised on their GPU by the generated kernels (see
+    mokgen.runtime.quantize_experts_fp8)."""
+    from .runtime import quantize_experts_fp8 as _quantize
+
+    return _quantize(w_gate, w_up, w_down, topk)
 
 
 def moe_routed(x, router_logits, topk, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
@@ -84,5 +94,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'mokgen' has no attribute {name!r}")
 
 
-__all__ = ["MoE", "MoESpec", "SpecError", "check_errors", "load", "moe", "moe_routed", "release_peer_workspaces", "route",
-           "__version__"]
+__all__ = ["MoE", "MoESpec", "SpecError", "check_errors", "load", "moe", "moe_fp8", "moe_fp8_train", "moe_routed",
+           "quantize_experts_fp8", "release_peer_workspaces", "route", "__version__"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ir.spec import E4M3_MAX, FP8_BLOCK as BLOCK  # (activations: 1 x BLOCK scale blocks; weights: BLOCK x BLOCK)
+from .ir.spec import E4M3_MAX, FP8_INTERLEAVE, FP8_BLOCK as BLOCK  # (activations: 1 x BLOCK scale blocks; weights: BLOCK x BLOCK)
 
 E4M3 = torch.float8_e4m3fn
 # Relative error (||out - ref|| / ||ref||) of the FP8 layer against the float64 reference of
@@ -164,7 +164,7 @@ class FP8Weights:
 # w_gate and w_up are stored interleaved per this many rows (one 128-row block of the stored
 # matrix holds 64 gate columns and the same 64 up columns), so that one 128-wide GEMM tile
 # yields both inputs of 64 columns of SwiGLU (templates/grouped_gemm_fp8.py.j2, gate/up).
-INTERLEAVE = BLOCK // 2
+INTERLEAVE = FP8_INTERLEAVE
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

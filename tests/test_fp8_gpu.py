@@ -391,23 +391,25 @@ def test_wgrad_gemms_fp8_golden(shape, T, routing, which):
     operands' tile products (rows in e4m3 with one scale per 128-row block of each column),
     poisoned C: against wgrad_emulated rounded to bf16 within EMULATION_TOLERANCE, and zeros
     for an expert without rows."""
-    from mokgen.fp8 import EMULATION_TOLERANCE, quantize_cols, wgrad_emulated
+    from mokgen.fp8 import EMULATION_TOLERANCE, interleave_gate_up, quantize_cols, wgrad_emulated
     from mokgen.reference import rel_error
 
     E, K, H, I = shape
     v, (_, ids, _, _, _, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
                                                                                  T * 41 + len(routing))
-    n1, n2, a, b, c = (H, I, "doutt", "hwt", "d_w_down") if which == "down" else (2 * I, H, "dabt", "xt", "d_w13")
+    n1, n2, a, b = (H, I, "doutt", "hwt") if which == "down" else (2 * I, H, "dabt", "xt")
     real = (row_expert >= 0).cuda()[:, None]
     a_rows = torch.where(real, torch.randn(rows, n1, device="cuda", generator=g), 0.0)
     b_rows = torch.where(real, torch.randn(rows, n2, device="cuda", generator=g), 0.0)
     a_t, b_t = quantize_cols(a_rows), quantize_cols(b_rows)
-    out = torch.full((E * n1, n2), float("nan"), dtype=torch.bfloat16, device="cuda")
+    # (gate/up: C's rows are w_gate's and w_up's interleaved per 64; the kernel writes them apart)
+    outs = {"d_w_down": (E, n1, n2)} if which == "down" else {"d_w_gate": (E, I, H), "d_w_up": (E, I, H)}
+    outs = {k: torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda") for k, shape in outs.items()}
     v.run(f"wgrad_{which}_fp8", {f"{a}_q": a_t[0], f"{a}_scales": a_t[1], f"{b}_q": b_t[0], f"{b}_scales": b_t[1],
-                                 "tile_expert": tile_expert.cuda(), "tile_counters": tile_counters(v), c: out},
+                                 "tile_expert": tile_expert.cuda(), "tile_counters": tile_counters(v), **outs},
           torch.device("cuda"))
     torch.cuda.synchronize()
-    got = out.view(E, n1, n2)
+    got = outs["d_w_down"] if which == "down" else interleave_gate_up(outs["d_w_gate"], outs["d_w_up"])
     assert not torch.isnan(got.float()).any(), "unwritten tiles"
     want = wgrad_emulated(a_t, b_t, tile_expert, E)
     empty = [e for e in range(E) if not (tile_expert == e).any()]
@@ -487,6 +489,15 @@ def test_moe_fp8_train_autograd_gives_every_fp8_gradient(T, routing):
         assert gradient_error(k, leaf.grad, ref, scale) <= REQUANTIZED_TOLERANCE, k
     with pytest.raises(InputError, match="w_down must"):
         mokgen.moe_fp8_train(x, ids, w, wg, wu, wd.transpose(1, 2))
+    # quantised once (per optimizer step), passed in: the same output and gradients, bit for bit
+    once = mokgen.quantize_experts_fp8(wg, wu, wd, ids.shape[1])
+    again = [t.clone().requires_grad_() for t in (x, w, wg, wu, wd)]
+    out2 = mokgen.moe_fp8_train(again[0], ids, again[1], *again[2:], experts=once)
+    out2.backward(dout)
+    assert torch.equal(out2.detach(), out.detach())
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(again, leaves))
+    with pytest.raises(InputError, match="quantised from these weights"):
+        mokgen.moe_fp8_train(x, ids, w, wg[:-1], wu[:-1], wd[:-1], experts=once)
 
 
 def test_fp8_over_two_gpus_golden():
@@ -544,3 +555,50 @@ def test_fp8_weight_gradients_of_the_last_experts_at_e256_h7168():
         ref = want[k] if k == "d_topk_weights" else want[k].to(torch.bfloat16).double()
         mine = got[k][first:] if k.startswith("d_w") else got[k]
         assert gradient_error(k, mine, ref, scale) <= REQUANTIZED_TOLERANCE, k
+
+
+@pytest.mark.parametrize("shape", FP8_SHAPES + [(256, 8, 7168, 2048)], ids=lambda s: "e{}k{}h{}i{}".format(*s))
+def test_quantize_experts_kernels_give_the_bits_of_quantize_experts(shape):
+    """Variant.quantize_experts_fp8 (the Plan's quantize_experts kernels, which mokgen.moe_fp8_train
+    runs on every call) against mokgen.fp8.quantize_experts: the same e4m3 values and scales,
+    transposed copies included, with an all-zero block (scale 1) and a block of one large value.
+    At E256 H7168 each projection passes 2^31 elements (64-bit offsets per expert)."""
+    from mokgen.fp8 import quantize_experts
+
+    E, K, H, I = shape
+    v = fp8_variant(shape)
+    g = torch.Generator(device="cuda").manual_seed(E + H)
+    wg, wu = (torch.randn(E, I, H, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    wd = torch.randn(E, H, I, device="cuda", generator=g).to(torch.bfloat16)
+    wg[E - 1, :64, :128] = 0.0  # (with w_up's rows 0..63 below: the stored block (0, 0) of the last expert)
+    wu[E - 1, :64, :128] = 0.0
+    wd[0, 128:256, 128:256] = 0.0
+    wd[E - 1, 5, 7] = 3e4
+    got = v.quantize_experts_fp8(wg, wu, wd)
+    want = quantize_experts(wg, wu, wd)
+    for name in ("gate_up", "down", "gate_up_t", "down_t"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8)), f"{name}: e4m3 values differ"
+        assert torch.equal(a.scales, b.scales), f"{name}: scales differ"
+    assert got.gate_up.scales[E - 1, 0, 0] == 1.0 and got.down.scales[0, 1, 1] == 1.0
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
+@pytest.mark.parametrize("T", [1, 1000, 4096])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b or "default")
+def test_fp8_training_forward_saves_the_products_the_backward_would_recompute(shape, T, routing, build):
+    """forward_fp8(save=True) (the training forward: the gate/up GEMM also stores the products
+    before SwiGLU) gives the forward's output bit for bit, and backward_fp8 from the saved
+    products every gradient of the backward that recomputes them, bit for bit."""
+    from mokgen.fp8 import quantize_experts
+
+    v, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, T, routing, T * 53 + len(routing), build)
+    experts = quantize_experts(wg, wu, wd)
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    out, a13 = v.forward_fp8(x, ids, w, experts, save=True)
+    assert torch.equal(out, v.forward_fp8(x, ids, w, experts))
+    saved = v.backward_fp8(dout, x, ids, w, experts, a13=a13.clone())
+    recomputed = v.backward_fp8(dout, x, ids, w, experts)
+    for k in recomputed:
+        assert torch.equal(saved[k], recomputed[k]), f"{k} differs from the recomputing backward's"

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 DTYPES = ("bf16", "fp8")
 FP8_BLOCK = 128  # fp8: the scale block; hidden and intermediate sizes must be multiples of it
 E4M3_MAX = 448.0  # fp8: the largest finite e4m3 value (a block's amax maps to it)
+# fp8: w_gate and w_up are stored interleaved per this many rows, so one 128-row block of the
+# stored matrix (one GEMM tile, one scale block) holds both inputs of 64 columns of SwiGLU
+FP8_INTERLEAVE = FP8_BLOCK // 2
 ARCHS = ("sm_90a",)
 TOPOLOGIES = ("single", "nvlink")
 # The grouped GEMMs load K in 64-element (128-byte) steps and the dispatch and

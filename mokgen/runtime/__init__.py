@@ -204,13 +204,19 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
 
 
-def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, check_ids: bool = True):
+def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=None, check_ids: bool = True):
     """The FP8 layer over bf16 master weights, for training: the experts are quantised on each
-    call (mokgen.fp8.quantize_experts, with the backward's transposed copies), the forward and
+    call by the variant's kernels (the same bits as mokgen.fp8.quantize_experts, with the
+    backward's transposed copies; a NaN or Inf weight gives NaN outputs, as in bf16), the forward and
     backward run the generated FP8 kernels (docs/fp8.md), and the result is differentiable in
     x, topk_weights, w_gate, w_up and w_down (their gradients in the weights' dtype). One GPU,
-    no shared expert; w_gate, w_up [E, I, H] and w_down [E, H, I] bf16, contiguous, on x's GPU."""
-    from ..fp8 import FP8Error, quantize_experts
+    no shared expert; w_gate, w_up [E, I, H] and w_down [E, H, I] bf16, contiguous, on x's GPU.
+
+    experts: these masters already quantised (mokgen.quantize_experts_fp8, or
+    mokgen.fp8.quantize_experts), to quantise once per optimizer step rather than once per
+    micro-batch when gradients accumulate over several; they must be the current weights'
+    (only their shapes are checked)."""
+    from ..fp8 import BLOCK
 
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_cuda:
         raise InputError(f"x must be a 2-d CUDA tensor [T, H], got "
@@ -223,12 +229,18 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, check_ids:
     check_tensor("w_up", w_up, torch.bfloat16, (E, I, H), x.device)
     check_tensor("w_down", w_down, torch.bfloat16, (E, H, I), x.device)
     check_tensor("x", x, torch.bfloat16, (None, H), x.device)  # (before quantising anything)
-    try:
+    if H % BLOCK or I % BLOCK:
+        raise InputError(f"the weights cannot be quantised to e4m3 blocks: H={H} and I={I} must be multiples of "
+                         f"{BLOCK}")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise InputError(f"topk_ids must be 2-d [T, K], got {getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
+    if experts is None:
         with torch.no_grad():
-            experts = quantize_experts(w_gate, w_up, w_down)
-    except FP8Error as e:  # (sizes that are not multiples of 128, NaN or Inf weights)
-        raise InputError(f"the weights cannot be quantised to e4m3 blocks: {e}") from None
+            experts = _fp8_variant(E, topk_ids.shape[1], H, I).quantize_experts_fp8(w_gate, w_up, w_down)
     v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids)
+    if experts.gate_up.values.shape[0] != E or experts.down.values.shape[1:] != (H, I):
+        raise InputError(f"experts hold [E, H, I] = {list(experts.down.values.shape)}, the weights "
+                         f"{[E, H, I]}: pass the experts quantised from these weights")
     if _needs_grad(x, topk_weights, w_gate, w_up, w_down):
         return _MoEFP8Train.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, v)
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
@@ -267,17 +279,42 @@ def _fp8_call(x, topk_ids, topk_weights, experts, check_ids: bool):
                              f"{list(w.scales.shape)}")
         if w.values.device != x.device or w.scales.device != x.device:
             raise InputError(f"experts.{name} is on {w.values.device}, x is on {x.device}: all inputs must be on one GPU")
-    K = topk_ids.shape[1]
+    v = _fp8_variant(E, topk_ids.shape[1], H, I)
+    if check_ids:
+        check_ids_in_range(topk_ids, E, x)
+    return v, topk_ids
+
+
+def quantize_experts_fp8(w_gate, w_up, w_down, topk: int):
+    """w_gate, w_up [E, I, H] and w_down [E, H, I] (bf16, contiguous, on one GPU) as
+    mokgen.fp8.FP8Experts, by the FP8 variant's kernels for this top-K (the same bits as
+    mokgen.fp8.quantize_experts): for mokgen.moe_fp8, and for moe_fp8_train(experts=) to
+    quantise once per optimizer step."""
+    from ..fp8 import BLOCK
+
+    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3 or not w_gate.is_cuda:
+        raise InputError(f"w_gate must be a 3-d CUDA tensor [E, I, H], got {getattr(w_gate, 'shape', type(w_gate))}")
+    E, I, H = w_gate.shape
+    check_tensor("w_gate", w_gate, torch.bfloat16, (E, I, H), w_gate.device)
+    check_tensor("w_up", w_up, torch.bfloat16, (E, I, H), w_gate.device)
+    check_tensor("w_down", w_down, torch.bfloat16, (E, H, I), w_gate.device)
+    if H % BLOCK or I % BLOCK:
+        raise InputError(f"the weights cannot be quantised to e4m3 blocks: H={H} and I={I} must be multiples of "
+                         f"{BLOCK}")
+    with torch.no_grad():
+        return _fp8_variant(E, topk, H, I).quantize_experts_fp8(w_gate, w_up, w_down)
+
+
+def _fp8_variant(E, K, H, I):
+    """The FP8 layer's variant for these sizes (built, or built now); sizes a spec refuses are
+    the caller's InputError."""
     try:
-        v = _find_built(dict(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8", world_size=1)) or \
+        return _find_built(dict(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8", world_size=1)) or \
             load(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8"))
     except Exception as e:
         if e.__class__.__name__ == "SpecError":
             raise InputError(f"these shapes cannot be generated in fp8: {e}") from None
         raise
-    if check_ids:
-        check_ids_in_range(topk_ids, E, x)
-    return v, topk_ids
 
 
 class _MoEFP8(torch.autograd.Function):
@@ -305,14 +342,18 @@ class _MoEFP8Train(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, variant):
-        ctx.save_for_backward(x, topk_weights, topk_ids)
+        # the training forward also returns the gate/up products, which the backward reads
+        # instead of recomputing them (a13: the routed rows x 2I in bf16)
+        out, a13 = variant.forward_fp8(x, topk_ids, topk_weights, experts, save=True)
+        ctx.save_for_backward(x, topk_weights, topk_ids, a13)
         ctx.experts, ctx.variant, ctx.dtypes = experts, variant, (w_gate.dtype, w_up.dtype, w_down.dtype)
-        return variant.forward_fp8(x, topk_ids, topk_weights, experts)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, topk_weights, topk_ids = ctx.saved_tensors
-        g = ctx.variant.backward_fp8(dout.to(torch.bfloat16).contiguous(), x, topk_ids, topk_weights, ctx.experts)
+        x, topk_weights, topk_ids, a13 = ctx.saved_tensors
+        g = ctx.variant.backward_fp8(dout.to(torch.bfloat16).contiguous(), x, topk_ids, topk_weights, ctx.experts,
+                                     a13=a13)
         weights = [g[k].to(dt) for k, dt in zip(("d_w_gate", "d_w_up", "d_w_down"), ctx.dtypes)]
         return (g["dx"] if ctx.needs_input_grad[0] else None, g["d_topk_weights"] if ctx.needs_input_grad[1] else None,
                 *[w if ctx.needs_input_grad[2 + i] else None for i, w in enumerate(weights)], None, None, None)

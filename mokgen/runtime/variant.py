@@ -207,14 +207,14 @@ class Variant:
         variant saves the SwiGLU inputs only (its backward lays out the rows again)."""
         return EP_SAVED_FOR_BACKWARD if self.expert_parallel else SAVED_FOR_BACKWARD
 
-    def _workspace(self, tokens: int, device, entry: str, peers=None) -> dict:
+    def _workspace(self, tokens: int, device, entry: str, peers=None, given=()) -> dict:
         """The entry's buffers: the per-call ones allocated at this T (expert parallel: and at
-        the peer workspace's sizes), then the peer workspace's own."""
+        the peer workspace's sizes) but those the caller gives, then the peer workspace's own."""
         ws = {}
         sizes = peers.sizes if peers is not None else (0, 0)
         self.check_offsets(tokens, sizes)
         # the backward's saved tensors are the caller's (what the training forward returned)
-        used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ())
+        used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ()).difference(given)
         zeroed = self.plan.get("zeroed", {}).get(entry, ())
         for name, dt, shape, init in self.buffer_shapes(tokens, sizes):
             if name not in used:
@@ -341,23 +341,56 @@ class Variant:
             self._record_status(env)
         return env
 
-    def forward_fp8(self, x, topk_ids, topk_weights, experts, out=None):
+    def forward_fp8(self, x, topk_ids, topk_weights, experts, out=None, save: bool = False):
         """The FP8 layer's forward (dtype fp8): experts are mokgen.fp8.FP8Experts (no checks here:
-        mokgen.moe_fp8 checks)."""
+        mokgen.moe_fp8 checks). save: the training forward, which also returns the gate/up
+        products (a13, bf16 in dispatch's row layout) for backward_fp8: (out, a13)."""
         tokens = x.shape[0]
         if out is None:
             out = torch.empty_like(x)
-        if tokens == 0:
-            return out
-        self._check_status(wait=False)
-        with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device, "forward")
-            env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out,
-                       w13_q=experts.gate_up.values, w13_scales=experts.gate_up.scales,
-                       w_down_q=experts.down.values, w_down_scales=experts.down.scales)
-            self.run("forward", env, x.device)
-            self._record_status(env)
-        return out
+        a13 = None
+        if save:  # (no rows without tokens)
+            shape = next(s for name, _, s, _ in self.buffer_shapes(tokens) if name == "a13") if tokens else \
+                (0, 2 * self.spec.intermediate)
+            a13 = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
+        if tokens > 0:
+            self._check_status(wait=False)
+            entry = "forward_train" if save else "forward"
+            with torch.cuda.device(x.device):
+                env = self._workspace(tokens, x.device, entry, given=("a13",) if save else ())
+                env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out,
+                           w13_q=experts.gate_up.values, w13_scales=experts.gate_up.scales,
+                           w_down_q=experts.down.values, w_down_scales=experts.down.scales)
+                if save:
+                    env["a13"] = a13
+                self.run(entry, env, x.device)
+                self._record_status(env)
+        return (out, a13) if save else out
+
+    def quantize_experts_fp8(self, w_gate, w_up, w_down):
+        """The experts' FP8 weights (mokgen.fp8.FP8Experts, with the backward's transposed
+        copies) from bf16 masters w_gate, w_up [E, I, H] and w_down [E, H, I], on their GPU by the
+        Plan's quantize_experts kernels: the same bits as mokgen.fp8.quantize_experts. No checks
+        here (mokgen.moe_fp8_train checks)."""
+        from ..fp8 import BLOCK, FP8Experts, FP8Weights
+
+        E, I, H = self.spec.experts, self.spec.intermediate, self.spec.hidden
+        dev = w_gate.device
+
+        def weights(n, k):
+            return (FP8Weights(torch.empty(E, n, k, dtype=torch.float8_e4m3fn, device=dev),
+                               torch.empty(E, n // BLOCK, k // BLOCK, device=dev)),
+                    FP8Weights(torch.empty(E, k, n, dtype=torch.float8_e4m3fn, device=dev),
+                               torch.empty(E, k // BLOCK, n // BLOCK, device=dev)))
+
+        (w13, w13_t), (down, down_t) = weights(2 * I, H), weights(H, I)
+        env = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
+        for name, (w, t) in (("w13", (w13, w13_t)), ("w_down", (down, down_t))):
+            env.update({f"{name}_q": w.values, f"{name}_scales": w.scales, f"{name}_t_q": t.values,
+                        f"{name}_t_scales": t.scales})
+        with torch.cuda.device(dev):
+            self.run("quantize_experts", env, dev)
+        return FP8Experts(w13, down, w13_t, down_t)
 
     def backward_data_fp8(self, dout, x, topk_ids, topk_weights, experts):
         """(dx, d_topk_weights) of the FP8 layer (dtype fp8) for the output gradient dout: its
@@ -375,33 +408,32 @@ class Variant:
             self._record_status(env)
         return dx, d_weights
 
-    def backward_fp8(self, dout, x, topk_ids, topk_weights, experts) -> dict:
+    def backward_fp8(self, dout, x, topk_ids, topk_weights, experts, a13=None) -> dict:
         """Every gradient of the FP8 layer (dtype fp8) for the output gradient dout, through the
-        Plan's backward_fp8 entry (recomputing the forward's products): dx, d_topk_weights
+        Plan's backward_fp8 entry (recomputing the forward's products; a13, the products
+        forward_fp8(save=True) returned: backward_fp8_saved, which reads them): dx, d_topk_weights
         (pairs without a row: 0), and the weight gradients d_w_gate, d_w_up [E, I, H] and
         d_w_down [E, H, I] in bf16 (an expert without rows: zeros). No checks here."""
-        from ..fp8 import split_gate_up
-
         E, I, H = self.spec.experts, self.spec.intermediate, self.spec.hidden
         fill = (lambda shape: torch.full(shape, float("nan"), dtype=torch.bfloat16, device=x.device)) if self.poison \
             else (lambda shape: torch.empty(shape, dtype=torch.bfloat16, device=x.device))
-        d_w13, d_w_down = fill((E * 2 * I, H)), fill((E * H, I))
+        # (the weight-gradient GEMMs write w_gate's and w_up's rows apart, in these layouts)
+        d_w = dict(d_w_gate=fill((E, I, H)), d_w_up=fill((E, I, H)), d_w_down=fill((E, H, I)))
         dx, d_weights = self._data_gradient_outputs(x, topk_ids, topk_weights)
         if x.shape[0] == 0:
-            d_w13.zero_()
-            d_w_down.zero_()
+            for t in d_w.values():
+                t.zero_()
         else:
             self._check_status(wait=False)
+            entry = "backward_fp8" if a13 is None else "backward_fp8_saved"
             with torch.cuda.device(x.device):
-                env = self._workspace(x.shape[0], x.device, "backward_fp8")
-                env.update(self._fp8_backward_inputs(dout, x, topk_ids, topk_weights, experts, dx, d_weights),
-                           d_w13=d_w13, d_w_down=d_w_down)
-                self.run("backward_fp8", env, x.device)
+                env = self._workspace(x.shape[0], x.device, entry, given=() if a13 is None else ("a13",))
+                env.update(self._fp8_backward_inputs(dout, x, topk_ids, topk_weights, experts, dx, d_weights), **d_w)
+                if a13 is not None:
+                    env["a13"] = a13
+                self.run(entry, env, x.device)
                 self._record_status(env)
-        # rows of w_gate and w_up interleaved per 64 (mokgen.fp8.INTERLEAVE): split them apart
-        d_w_gate, d_w_up = split_gate_up(d_w13.view(E, 2 * I, H).transpose(1, 2))
-        return dict(dx=dx, d_topk_weights=d_weights, d_w_gate=d_w_gate.transpose(1, 2).contiguous(),
-                    d_w_up=d_w_up.transpose(1, 2).contiguous(), d_w_down=d_w_down.view(E, H, I))
+        return dict(dx=dx, d_topk_weights=d_weights, **d_w)
 
     def _data_gradient_outputs(self, x, topk_ids, topk_weights):
         """dx and d_topk_weights to be written: NaN-poisoned in poison mode, but for the pairs

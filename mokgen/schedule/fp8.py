@@ -31,7 +31,7 @@ import json
 
 from .. import __version__
 from ..ir import MoESpec
-from ..ir.spec import E4M3_MAX, FP8_BLOCK
+from ..ir.spec import E4M3_MAX, FP8_BLOCK, FP8_INTERLEAVE
 from .target import Target
 
 FP8_TILE_M = 128  # two consumer warpgroups of 64 rows
@@ -43,6 +43,12 @@ FP8_MMA_WARPGROUPS = 2
 FP8_WG_THREADS = 128
 FP8_STAGES = 6  # 32 KB per stage (128 x 128 e4m3 of A and of B): 192 KB
 FP8_AB_SMEM = FP8_STAGES * (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # the A and B stages' shared memory, any tile
+# The blockwise quantisers (weights; the weight gradients' operands): a CTA per 128 x 128
+# block, warp w its 16 columns 16 w .., lane l its 4 rows 4 l .. (16-byte loads, 4-byte
+# transposed stores that a warp makes 128 contiguous bytes).
+FP8_IO_THREADS = FP8_BLOCK * 2
+FP8_SMEM_LIMIT = 227 * 1024  # shared memory one CTA may take on sm_90
+FP8_SMEM_RESERVED = 2048  # beside the stages and tiles: barriers, unit slots, alignment
 FP8_PRODUCER_REGS = 40
 FP8_CONSUMER_REGS = 232  # the sum and the block accumulator: 2 x 64 fp32 per thread at N = 128
 # A GEMM's K loop is unrolled whole up to this many K blocks per unit of work (K blocks times
@@ -62,7 +68,7 @@ FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "clust
 # H200 at E256 T=8192 the gate/up GEMM went from 6.20 to 5.42 ms, the down GEMM from 2.77 to
 # 2.68 ms; at E64 T=16384 both about the same (docs/fp8.md).
 FP8_WIDE_B_TILES = 2
-FP8_WIDE_UNROLL = 2  # K blocks per runtime iteration of a wide tile's mainloop (no spills; 1, 2, 4 checked)
+FP8_WIDE_UNROLL = 4  # K blocks per runtime iteration of a wide tile's mainloop: no spills at 1, 2, 4; at E256 T=8192 4 ran the forward ~2% faster than 2
 
 
 def b_tiles(name: str, n_size: int, cluster: int, overrides: dict) -> tuple[int, str]:
@@ -241,6 +247,14 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     + " (gate and up interleaved per 64 columns), SwiGLU, the row's amax, h in e4m3"],
         smem_bytes=gateup_stages * (FP8_TILE_M + gateup_b_tiles * FP8_TILE_N) * FP8_BLOCK
         + (0 if gateup_b_tiles > 1 else stash_bytes))
+    # The training forward's gate/up GEMM: the same kernel, also storing the products before
+    # SwiGLU in bf16 (a13, the backward's input), so that the backward does not recompute them.
+    gateup_train = dataclasses.replace(
+        gateup, name="gemm_gateup_fp8_train", module="gemm_gateup_fp8_train",
+        params={**gateup.params, "name": "gemm_gateup_fp8_train", "class_name": "GemmGateUpFP8Train",
+                "save_products": True},
+        args=gateup.args + [KernelArg("products", "a13", "bf16", ["M", 2 * I])],
+        warp_roles=gateup.warp_roles[:1] + [gateup.warp_roles[1] + "; the products in bf16 (a13) before SwiGLU"])
     quant_threads = 256
     quantize = KernelPlan(
         name="quantize_rows_fp8", stage="send", module="quantize_rows_fp8", template="quantize_rows_fp8.py.j2",
@@ -270,7 +284,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         name="swiglu_backward_fp8", stage="bwd_swiglu", module="swiglu_backward_fp8",
         template="swiglu_backward_fp8.py.j2", entry="main",
         params=dict(name="swiglu_backward_fp8", topk=spec.topk, intermediate=I, threads=swiglu_threads,
-                    tile_m=FP8_TILE_M, interleave=FP8_BLOCK // 2, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX,
+                    tile_m=FP8_TILE_M, interleave=FP8_INTERLEAVE, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX,
                     rows_bf16=False),
         args=[KernelArg("row_token", "row_token", "i32", ["M"]),
               KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
@@ -291,44 +305,74 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         [M, cols] in dispatch's layout already."""
         return KernelPlan(
             name=name, stage="bwd_quantize", module=name, template="quantize_cols_fp8.py.j2", entry="main",
-            params=dict(name=name, cols=cols, threads=FP8_BLOCK, tile_m=FP8_TILE_M, e4m3_max=E4M3_MAX, gather=gather),
+            params=dict(name=name, cols=cols, threads=FP8_IO_THREADS, tile_m=FP8_TILE_M, e4m3_max=E4M3_MAX,
+                        gather=gather),
             args=[KernelArg("src", src, "bf16", ["T" if gather else "M", cols]),
                   KernelArg("row_token", "row_token", "i32", ["M"]),
                   KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
                   KernelArg("out_q", f"{out}_q", "e4m3", ["MT", cols, FP8_TILE_M]),
                   KernelArg("out_scales", f"{out}_scales", "f32", ["MT", cols])],
-            grid=f"(MT, {cols // FP8_BLOCK})", block=FP8_BLOCK,
-            warp_roles=[f"one CTA per (M tile, {FP8_BLOCK} columns), one column per thread: its 128 rows' amax, then "
-                        "e4m3, 4 rows to a store"])
+            grid=f"(MT, {cols // FP8_BLOCK})", block=FP8_IO_THREADS,
+            warp_roles=[f"one CTA per (M tile, {FP8_BLOCK} columns), each warp 16 columns, each lane 4 rows (16-byte "
+                        "loads): each column's amax over the lanes, then e4m3, a column's 4 rows to a store"])
 
     def wgrad_gemm(name, class_name, doc, a, b, c, n1, n2):
-        """C[e] [n1, n2] = sum over e's M tiles of A_t^T-blocks @ B_t (templates/grouped_gemm_fp8_wgrad.py.j2)."""
+        """C[e] [n1, n2] = sum over e's M tiles of A_t^T-blocks @ B_t (templates/grouped_gemm_fp8_wgrad.py.j2);
+        c = (gate's, up's): C's rows are w_gate's and w_up's interleaved, written to two outputs."""
+        split = isinstance(c, tuple)
+        outs = [KernelArg("c", c[0], "bf16", [E * n1 // 2, n2]), KernelArg("c2", c[1], "bf16", [E * n1 // 2, n2])] \
+            if split else [KernelArg("c", c, "bf16", [E * n1, n2])]
+        c_bytes = FP8_TILE_M * (FP8_TILE_N + 8) * 2  # the epilogue's bf16 tile, rows padded by 16 bytes
+        stages = min(FP8_STAGES, (FP8_SMEM_LIMIT - FP8_SMEM_RESERVED - c_bytes) // stage_bytes)
         return KernelPlan(
             name=name, stage="wgrad", module=name, template="grouped_gemm_fp8_wgrad.py.j2", entry="main",
             params=dict(name=name, class_name=class_name, doc=doc, tile_m=FP8_TILE_M, tile_n=FP8_TILE_N,
-                        tile_k=FP8_BLOCK, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=FP8_STAGES, n1=n1, n2=n2,
+                        tile_k=FP8_BLOCK, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages, n1=n1, n2=n2,
                         groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
-                        consumer_regs=FP8_CONSUMER_REGS, **sched[name]),
+                        consumer_regs=FP8_CONSUMER_REGS, split=split, interleave=FP8_INTERLEAVE, **sched[name]),
             args=[KernelArg("a", f"{a}_q", "e4m3", ["MT", n1, FP8_TILE_M]),
                   KernelArg("a_scales", f"{a}_scales", "f32", ["MT", n1]),
                   KernelArg("b", f"{b}_q", "e4m3", ["MT", n2, FP8_TILE_M]),
                   KernelArg("b_scales", f"{b}_scales", "f32", ["MT", n2]),
                   KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
-                  KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
-                  KernelArg("c", c, "bf16", [E * n1, n2])],
+                  KernelArg("tile_counter", "tile_counters", "i32", [n_counters])] + outs,
             grid=f"(min({target.sms}, {E * (n1 // FP8_TILE_M) * (n2 // FP8_TILE_N)}),)", block=threads,
             warp_roles=["warpgroup 0, warp 0: the unit scheduler (expert, m, n) and TMA producer, per M tile of the "
                         "expert", "warpgroups 1-2: QGMMA per M tile, waited for, promoted with the row and column "
                         "scales of both operands"],
-            smem_bytes=FP8_STAGES * stage_bytes)
+            smem_bytes=stages * stage_bytes + c_bytes)
 
     wgrad_down = wgrad_gemm("wgrad_down_fp8", "WgradDownFP8",
                             "FP8 weight gradient of the down projection: d_w_down[e] = dy_e^T @ (w h)_e over the "
                             "expert's rows.", "doutt", "hwt", "d_w_down", H, I)
     wgrad_gateup = wgrad_gemm("wgrad_gateup_fp8", "WgradGateUpFP8",
-                              "FP8 weight gradient of the gate/up projection: d_w13[e] = [da | db]_e^T @ x_e over the "
-                              "expert's rows (rows of w_gate and w_up interleaved per 64).", "dabt", "xt", "d_w13",
-                              2 * I, H)
+                              "FP8 weight gradient of the gate/up projection: [d_w_gate; d_w_up][e] = [da | db]_e^T @ "
+                              "x_e over the expert's rows (computed interleaved per 64, written apart).", "dabt", "xt",
+                              ("d_w_gate", "d_w_up"), 2 * I, H)
+    def quantize_weights(name, class_name, doc, srcs, out, n, k, interleave):
+        """out_q, out_t_q and their scales from the bf16 masters srcs (templates/quantize_blocks_fp8.py.j2)."""
+        src_shape = [E, n // 2 if interleave else n, k]
+        return KernelPlan(
+            name=name, stage="quantize_weights", module=name, template="quantize_blocks_fp8.py.j2", entry="main",
+            params=dict(name=name, class_name=class_name, doc=doc, groups=E, n=n, k=k, block=FP8_BLOCK,
+                        interleave=interleave, e4m3_max=E4M3_MAX, threads=FP8_IO_THREADS),
+            args=[KernelArg("src0", srcs[0], "bf16", src_shape), KernelArg("src1", srcs[1], "bf16", src_shape),
+                  KernelArg("q", f"{out}_q", "e4m3", [E, n, k]),
+                  KernelArg("scales", f"{out}_scales", "f32", [E, n // FP8_BLOCK, k // FP8_BLOCK]),
+                  KernelArg("q_t", f"{out}_t_q", "e4m3", [E, k, n]),
+                  KernelArg("scales_t", f"{out}_t_scales", "f32", [E, k // FP8_BLOCK, n // FP8_BLOCK])],
+            grid=f"({E * (n // FP8_BLOCK) * (k // FP8_BLOCK)},)", block=FP8_IO_THREADS,
+            warp_roles=[f"one CTA per {FP8_BLOCK} x {FP8_BLOCK} block, each warp 16 columns, each lane 4 rows (16-byte "
+                        "loads): the block's amax, then e4m3 stored as is (16-byte rows) and transposed (4-byte "
+                        "columns)"])
+
+    # The experts' weights from bf16 masters, as mokgen.fp8.quantize_experts (the same bits), on
+    # the GPU: mokgen.moe_fp8_train quantises them on every call.
+    quantize_w13 = quantize_weights("quantize_w13_fp8", "QuantizeW13",
+                                    "w_gate and w_up, interleaved, in e4m3 blocks (and transposed).",
+                                    ("w_gate", "w_up"), "w13", 2 * I, H, FP8_INTERLEAVE)
+    quantize_w_down = quantize_weights("quantize_w_down_fp8", "QuantizeWDown", "w_down in e4m3 blocks (and "
+                                       "transposed).", ("w_down", "w_down"), "w_down", H, I, 0)
     quantize_x_t = quantize_cols("quantize_x_t_fp8", "x", H, "xt")
     quantize_dout_t = quantize_cols("quantize_dout_t_fp8", "dout", H, "doutt")
     quantize_hw_t = quantize_cols("quantize_hw_t_fp8", "hw_rows", I, "hwt", gather=False)
@@ -372,6 +416,11 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     backward_fp8 = [("swiglu_backward_fp8_w" if n == "swiglu_backward_fp8" else n) for n in backward_data] + [
         "quantize_x_t_fp8", "quantize_dout_t_fp8", "quantize_hw_t_fp8", "quantize_dab_t_fp8", "wgrad_down_fp8",
         "wgrad_gateup_fp8"]
+    # Training (mokgen.moe_fp8_train): the forward also saves the gate/up products (a13), and the
+    # backward starts from them: no x rows in e4m3, no recompute GEMM. (Dispatch runs again in
+    # the backward: the row layout is a function of topk_ids, the same rows in the same order.)
+    forward_train = [("gemm_gateup_fp8_train" if n == "gemm_gateup_fp8" else n) for n in forward]
+    backward_fp8_saved = [n for n in backward_fp8 if n not in ("quantize_rows_fp8", "bwd_recompute_fp8")]
     return Plan(
         format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
         target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
@@ -379,10 +428,13 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:] + [quantize_dout, recompute, dgrad_down, swiglu,
                                                                         dgrad_gateup, quantize_x_t, quantize_dout_t,
                                                                         wgrad_down, wgrad_gateup, swiglu_w,
-                                                                        quantize_hw_t, quantize_dab_t],
+                                                                        quantize_hw_t, quantize_dab_t,
+                                                                        quantize_w13, quantize_w_down, gateup_train],
         steps={**{k.name: [k.name] for k in (quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu,
                                              dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down, wgrad_gateup)},
-               "forward": forward, "backward_data": backward_data, "backward_fp8": backward_fp8},
+               "forward": forward, "backward_data": backward_data, "backward_fp8": backward_fp8,
+               "quantize_experts": ["quantize_w13_fp8", "quantize_w_down_fp8"],
+               "forward_train": forward_train, "backward_fp8_saved": backward_fp8_saved},
         flops=twin.flops,
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
                    "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
