@@ -289,23 +289,27 @@ def test_exchange_compiles_for_larger_nvlink_domains(tmp_path, world):
 def test_fp8_gemms_compile_to_qgmma_without_spills(tmp_path):
     """The FP8 grouped GEMMs (templates/grouped_gemm_fp8.py.j2): e4m3 wgmma (QGMMA), the
     promotion's accumulators in registers (no local memory); gate/up converts h to e4m3, and so
-    does the rows' quantisation (templates/quantize_rows_fp8.py.j2)."""
+    do the quantisers of the rows, the weight gradients' operands and the weights
+    (templates/quantize_*_fp8.py.j2); the weight gradients store 16 bytes per thread."""
     from mokgen.codegen import build
 
     path = build(MoESpec(experts=8, topk=2, hidden=1024, intermediate=512, dtype="fp8"), tmp_path, log=lambda m: None)
     assert (path / "build" / "libmokgen.so").exists()
     tool = nvdisasm()
-    for name in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8",
-                 "wgrad_down_fp8", "wgrad_gateup_fp8"):
+    for name in ("gemm_gateup_fp8", "gemm_gateup_fp8_train", "gemm_down_fp8", "bwd_recompute_fp8",
+                 "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8", "wgrad_down_fp8", "wgrad_gateup_fp8"):
         cubin = path / "build" / f"{name}.cubin"
         assert cubin.exists(), name
         if tool:
             sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
             assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "UTMALDG" in sass, name
             assert not any(op in sass for op in ("LDL", "STL")), f"{name}: local-memory traffic (spills)"
-            if name == "gemm_gateup_fp8":
+            if name.startswith("gemm_gateup_fp8"):
                 assert "F2FP.SATFINITE.E4M3.F32" in sass, "h is not converted to e4m3"
-    for name in ("quantize_rows_fp8", "quantize_x_t_fp8", "swiglu_backward_fp8"):
+            if name.startswith("wgrad"):  # (the epilogue's 16-byte stores through shared memory)
+                assert "STG.E.128" in sass, name
+    for name in ("quantize_rows_fp8", "quantize_x_t_fp8", "swiglu_backward_fp8", "quantize_w13_fp8",
+                 "quantize_w_down_fp8"):
         cubin = path / "build" / f"{name}.cubin"
         assert cubin.exists(), name
         if tool:

@@ -394,8 +394,8 @@ class Variant:
 
     def backward_data_fp8(self, dout, x, topk_ids, topk_weights, experts):
         """(dx, d_topk_weights) of the FP8 layer (dtype fp8) for the output gradient dout: its
-        data gradients, recomputing the forward's products (the FP8 weight gradients are not
-        generated yet). Pairs without a row (empty slots, ids out of range) get a
+        data gradients, recomputing the forward's products (backward_fp8: every gradient).
+        Pairs without a row (empty slots, ids out of range) get a
         d_topk_weights of 0. No checks here."""
         dx, d_weights = self._data_gradient_outputs(x, topk_ids, topk_weights)
         if x.shape[0] == 0:

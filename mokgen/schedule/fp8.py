@@ -3,8 +3,9 @@
 The FP8 layer is generated kernel by kernel. This Plan holds its kernels, each also an entry
 point of its own for the golden tests (Variant.run), the forward that chains them with the
 bf16 layer's dispatch and combine, the backward's data gradients (backward_data: dx and
-d_topk_weights, recomputing the forward's products) and every gradient (backward_fp8: the
-same chain, then the weight gradients):
+d_topk_weights, recomputing the forward's products), every gradient (backward_fp8: the same
+chain, then the weight gradients), training (forward_train also saves the gate/up products,
+backward_fp8_saved reads them) and the experts' quantisation (quantize_experts):
 
     quantize_rows_fp8  x_rows_q, x_rows_scales = the routed rows of x in dispatch's order, in
                     e4m3 with 1 x 128 scales (templates/quantize_rows_fp8.py.j2)
@@ -21,8 +22,11 @@ same chain, then the weight gradients):
                     layer's bwd_combine sums each token's rows into dx
     quantize_*_t_fp8   x, dout (gathered), w h and [da | db] (rows) in e4m3 per 128-row block of
                     each column, K-major per M tile (templates/quantize_cols_fp8.py.j2)
-    wgrad_*_fp8     d_w_down[e] = dy^T (w h), d_w13[e] = [da | db]^T x over each expert's M tiles
-                    (templates/grouped_gemm_fp8_wgrad.py.j2)
+    wgrad_*_fp8     d_w_down[e] = dy^T (w h), [d_w_gate; d_w_up][e] = [da | db]^T x over each
+                    expert's M tiles (templates/grouped_gemm_fp8_wgrad.py.j2)
+    gemm_gateup_fp8_train  the gate/up GEMM that also stores a13 (the training forward)
+    quantize_w*_fp8  the bf16 masters in e4m3 blocks, as they are and transposed
+                    (templates/quantize_blocks_fp8.py.j2)
 
 """
 from __future__ import annotations
@@ -208,8 +212,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     down = blockwise_gemm("gemm_down_fp8", "GemmDownFP8", "gemm_down",
                           "FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
                           "h_q", "w_down_q", "y", H, I)
-    # The backward's data gradients (the weight gradients are not generated yet): the gate/up
-    # products recomputed, and the same GEMM over the transposed weight copies.
+    # The backward's data gradients: the gate/up products recomputed, and the same GEMM over
+    # the transposed weight copies.
     recompute = blockwise_gemm("bwd_recompute_fp8", "RecomputeFP8", "gemm_gateup",
                                "FP8 recompute of the gate/up products for the backward: a13 = x @ [w_gate; w_up]^T "
                                "per expert (interleaved per 64 columns), blockwise scaled.",
@@ -298,8 +302,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         grid=f"(ceil(M/{swiglu_threads // 32}),)", block=swiglu_threads,
         warp_roles=["each warp: one row (pair): <g, h> for the routing weight's gradient, da and db in e4m3 per "
                     "1 x 128 block of the interleaved columns"])
-    # The weight gradients' operands (entry points; the weight-gradient GEMMs are not generated
-    # yet): rows in e4m3 with one scale per 128-row block of each column, K-major per M tile.
+    # The weight gradients' operands: rows in e4m3 with one scale per 128-row block of each
+    # column, K-major per M tile.
     def quantize_cols(name, src, cols, out, gather=True):
         """gather: src is token-major [T, cols], its rows gathered through row_token; else src is
         [M, cols] in dispatch's layout already."""
@@ -407,7 +411,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     forward = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "gemm_gateup_fp8", "gemm_down_fp8",
                "combine"]
     # The data gradients (dx, d_topk_weights) from dout, recomputing the forward's products
-    # (nothing saved): the weight gradients are not generated yet.
+    # (nothing saved).
     backward_data = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "quantize_dout_fp8",
                      "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "swiglu_backward_fp8", "bwd_dgrad_gateup_fp8",
                      "bwd_combine"]
