@@ -307,3 +307,18 @@ def test_moe_fp8_train_refuses_bad_input_before_quantising():
     ids = torch.zeros(T, 2, dtype=torch.int32)
     with pytest.raises(InputError, match="CUDA"):  # (the rest of the checks need a GPU: test_fp8_gpu.py)
         mokgen.moe_fp8_train(x, ids, torch.zeros(T, 2), wg, wu, wd)
+
+
+def test_quantize_experts_fp8_refuses_bad_weights_before_any_launch():
+    """mokgen.quantize_experts_fp8 (the GPU quantisers) checks devices, dtypes, shapes and the
+    128-multiples of the block scales before it looks for a variant or launches anything."""
+    import mokgen
+    from mokgen.runtime.checks import InputError
+
+    E, I, H = 4, 256, 128
+    wg, wu = torch.zeros(E, I, H, dtype=torch.bfloat16), torch.zeros(E, I, H, dtype=torch.bfloat16)
+    wd = torch.zeros(E, H, I, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="CUDA"):
+        mokgen.quantize_experts_fp8(wg, wu, wd, 2)
+    with pytest.raises(InputError, match="3-d"):
+        mokgen.quantize_experts_fp8(wg[0], wu, wd, 2)
