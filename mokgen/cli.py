@@ -248,11 +248,12 @@ def profile(variant, tokens, routing, png, json_path):
 def verify(variant, tokens, routing):
     """Golden-test a built variant on the GPU against the float64 reference: the forward,
     and every gradient of the backward where the variant has one (an FP8 variant: its forward
-    and its backward's data gradients against the float64 emulation of the same quantisation)."""
+    and every gradient of its training path against the float64 emulation of the same
+    quantisation)."""
     import torch
 
     from . import load
-    from .verify import TOLERANCE, check_backward, check_backward_data_fp8, check_forward, check_forward_fp8
+    from .verify import TOLERANCE, check_backward, check_backward_fp8, check_forward, check_forward_fp8
 
     toks = parse_tokens(tokens)
     if not torch.cuda.is_available():
@@ -266,8 +267,8 @@ def verify(variant, tokens, routing):
             bad += not res.ok
             click.echo(f"{v.name} T={T:<6d} {r:8s} forward  rel_err={res.rel_error:.3e}{' vs emulation' if fp8 else ''} "
                        f"{'unwritten rows ' if res.unwritten else ''}{'ok' if res.ok else 'FAIL'}")
-            if v.has_backward or "backward_data" in v.plan["steps"]:
-                b = (check_backward_data_fp8 if fp8 else check_backward)(v, T, r.strip())
+            if v.has_backward or "backward_fp8" in v.plan["steps"]:
+                b = (check_backward_fp8 if fp8 else check_backward)(v, T, r.strip())
                 bad += not b.ok
                 worst = max(b.rel_errors, key=b.rel_errors.get)
                 click.echo(f"{v.name} T={T:<6d} {r:8s} backward worst rel_err={b.rel_errors[worst]:.3e} ({worst}) "

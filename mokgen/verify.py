@@ -108,30 +108,32 @@ def check_forward_fp8(variant, tokens: int, routing: str, gen=None) -> CheckResu
     return CheckResult(tokens, routing, rel_error(out, emulated), bool(torch.isnan(out).any()), REQUANTIZED_TOLERANCE)
 
 
-def check_backward_data_fp8(variant, tokens: int, routing: str, gen=None) -> "BackwardResult":
-    """An FP8 variant's backward data gradients (Variant.backward_data_fp8: dx, d_topk_weights;
-    poisoned) against their float64 emulation (mokgen/fp8.py: REQUANTIZED_TOLERANCE, as [da |
-    db] is quantised again). The result's torch_errors are 0 (no PyTorch counterpart of this
-    quantisation), so `ok` means within the tolerance."""
+def check_backward_fp8(variant, tokens: int, routing: str, gen=None) -> "BackwardResult":
+    """Every gradient of an FP8 variant as mokgen.moe_fp8_train computes it (the experts
+    quantised by the variant's kernels, the training forward saving the gate/up products,
+    Variant.backward_fp8 from them; poisoned outputs) against the float64 emulation of the
+    same quantisation (mokgen/fp8.py: REQUANTIZED_TOLERANCE, as [da | db] is quantised
+    again). The result's torch_errors are 0 (no PyTorch counterpart of this quantisation), so
+    `ok` means within the tolerance."""
     import dataclasses
 
-    from .fp8 import REQUANTIZED_TOLERANCE, moe_fp8_backward_data_emulated, quantize_experts
+    from .fp8 import REQUANTIZED_TOLERANCE, moe_fp8_backward_emulated
 
     x, ids, w, wg, wu, wd, _ = make_inputs(dataclasses.replace(variant.spec, dtype="bf16"), tokens, routing, gen)
     dout = torch.randn(x.shape, device=x.device, generator=gen).to(x.dtype)
-    experts = quantize_experts(wg, wu, wd)
+    experts = variant.quantize_experts_fp8(wg, wu, wd)
     variant.poison = True
     try:
-        dx, dw = variant.backward_data_fp8(dout, x, ids, w, experts)
+        _, a13 = variant.forward_fp8(x, ids, w, experts, save=True)
+        got = variant.backward_fp8(dout, x, ids, w, experts, a13=a13)
     finally:
         variant.poison = False
     torch.cuda.synchronize()
-    emu_dx, emu_dw = moe_fp8_backward_data_emulated(dout, x, ids, w, experts)
+    want = moe_fp8_backward_emulated(dout, x, ids, w, experts)
     scale = dot_error_scales(dout, x, ids, wg, wu, wd)
-    errors = {"dx": rel_error(dx, emu_dx.to(torch.bfloat16).double()),
-              "d_topk_weights": gradient_error("d_topk_weights", dw, emu_dw, scale)}
-    return BackwardResult(tokens, routing, errors, [k for k, t in (("dx", dx), ("d_topk_weights", dw))
-                                                    if torch.isnan(t).any()],
+    errors = {k: gradient_error(k, got[k], want[k] if k == "d_topk_weights" else want[k].to(torch.bfloat16).double(),
+                                scale) for k in want}
+    return BackwardResult(tokens, routing, errors, [k for k in want if torch.isnan(got[k].float()).any()],
                           {k: 0.0 for k in errors}, REQUANTIZED_TOLERANCE)
 
 
