@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import mokgen
-from mokgen.bench import baseline_weights, dense_peak_tflops, gpu_state, time_ms as timed
+from mokgen.bench import baseline_weights, dense_peak_tflops, e4m3_peak_tflops, gpu_state, time_ms as timed
 from mokgen.module import torch_grouped_mm
 from mokgen.fp8 import interleave_gate_up, quantize_blocks, quantize_rows
 from mokgen.ir import MoESpec
@@ -77,19 +77,6 @@ def main():
     if a.json:
         a.json.write_text(json.dumps(dict(shape=[E, K, H, I], gpu=gpu_state(), dense_peak_tflops=peaks, rows=rows),
                                      indent=1))
-
-
-def e4m3_peak_tflops():
-    """A dense 8192^3 e4m3 GEMM (torch._scaled_mm, fp32 accumulation, bf16 out): the e4m3
-    ceiling measured in the same run; None where this torch cannot run it."""
-    n = 8192
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    try:
-        return 2 * n ** 3 / timed(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16), 10, 30) / 1e9
-    except (RuntimeError, TypeError):
-        return None
 
 
 def gemms(v8, vb, T, x, ids, wg, wu, wd, g):

@@ -131,6 +131,20 @@ def dense_peak_tflops() -> float:
     return 2 * 8192**3 / time_ms(lambda: a @ b, 10, 30) / 1e9
 
 
+def e4m3_peak_tflops() -> float | None:
+    """A dense 8192^3 e4m3 GEMM (torch._scaled_mm, fp32 accumulation, bf16 out): the e4m3
+    ceiling measured in the same run, which an FP8 layer's % of peak is taken against; None
+    where this torch cannot run it."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    try:
+        return 2 * n ** 3 / time_ms(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16), 10, 30) / 1e9
+    except (RuntimeError, TypeError):
+        return None
+
+
 def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "torch_loop"), log=print,
                   routing: str = "uniform") -> list[dict]:
     spec = variant.spec
@@ -140,7 +154,11 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
         x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(spec, T, routing, gen)
         flops = 6.0 * T * spec.topk * spec.hidden * spec.intermediate + 6.0 * T * spec.hidden * spec.shared_intermediate
         ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd) if T * spec.hidden <= 16384 * 4096 else None
-        impls = {"mokgen": lambda: variant.ops.forward(x, ids, w, wg, wu, wd, sg, su, sd)}
+        if spec.dtype == "fp8":  # (the experts quantised ahead, by the variant's kernels; rel_err is FP8's)
+            experts = variant.quantize_experts_fp8(wg, wu, wd)
+            impls = {"mokgen": lambda: variant.forward_fp8(x, ids, w, experts)}
+        else:
+            impls = {"mokgen": lambda: variant.ops.forward(x, ids, w, wg, wu, wd, sg, su, sd)}
         w13, shared = baseline_weights(wg, wu, sg, su, sd)
         if "torch_grouped_mm" in baselines:
             impls["torch_grouped_mm"] = lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate, shared)
@@ -177,9 +195,10 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
     reset to None between calls), the generated op against torch grouped_mm with autograd
     (a shared expert as dense bf16 matmuls). FLOPs 3x the forward's (the backward does twice
     the forward's work). The first call's gradients are checked against float64 autograd of
-    the reference."""
+    the reference. An FP8 variant runs mokgen.moe_fp8_train (the experts quantised on each
+    call, every gradient in FP8)."""
     from .reference import moe_reference_backward
-    from .runtime import moe
+    from .runtime import moe, moe_fp8_train
     from .verify import GRADIENTS, SHARED_GRADIENTS
 
     spec = variant.spec
@@ -194,7 +213,11 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
 
         def ours():
             xr, wr, g, u, d, *s = leaves
-            moe(xr, ids, wr, g, u, d, **dict(zip(("ws_gate", "ws_up", "ws_down"), s)), check_ids=False).backward(dout)
+            if spec.dtype == "fp8":
+                moe_fp8_train(xr, ids, wr, g, u, d, check_ids=False).backward(dout)
+            else:
+                moe(xr, ids, wr, g, u, d, **dict(zip(("ws_gate", "ws_up", "ws_down"), s)),
+                    check_ids=False).backward(dout)
 
         def grouped():
             xr, wr, g, u, d, *s = leaves
@@ -239,7 +262,7 @@ def format_table(rows: list[dict], peak: float) -> str:
     for r in rows:
         ratio = f"{r['speedup_vs_grouped_mm']:.2f}x" if r.get("speedup_vs_grouped_mm") else "-"
         lines.append(f"{r['variant']:34s} {r['T']:6d} {r['impl']:17s} {r['ms']:9.3f} {r['tflops']:8.1f} "
-                     f"{ratio:>9s} {100 * r['tflops'] / peak:6.1f}% {r['rel_err']:8.1e} "
+                     f"{ratio:>9s} {100 * r['tflops'] / r.get('peak_tflops', peak):6.1f}% {r['rel_err']:8.1e} "
                      f"{r.get('sm_clock_mhz', '-'):>5} {r.get('power_w', '-'):>4} "
                      f"{format(r['joules'], '.3f') if 'joules' in r else '-':>7}")
     return "\n".join(lines)
@@ -251,10 +274,19 @@ def run(variants, tokens, json_path: Path | None, baselines, log=print, backward
         raise RuntimeError("mokgen bench needs a CUDA GPU")
     peak = dense_peak_tflops()
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}: dense bf16 8192^3 = {peak:.0f} TFLOP/s")
+    # An FP8 layer's % of peak is against the dense e4m3 GEMM's (about twice bf16's)
+    peak_e4m3 = e4m3_peak_tflops() if any(v.spec.dtype == "fp8" for v in variants) else None
+    if peak_e4m3:
+        log(f"dense e4m3 8192^3 = {peak_e4m3:.0f} TFLOP/s (the FP8 rows' % peak)")
     rows = []
     for v in variants:
-        rows += bench_training(v, tokens, log) if backward else bench_variant(v, tokens, baselines, log)
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dense_peak_tflops=peak, rows=rows)
+        new = bench_training(v, tokens, log) if backward else bench_variant(v, tokens, baselines, log)
+        for r in new:
+            r["peak_tflops"] = peak_e4m3 if v.spec.dtype == "fp8" and r["impl"].startswith("mokgen") and peak_e4m3 \
+                else peak
+        rows += new
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dense_peak_tflops=peak,
+                  dense_peak_tflops_e4m3=peak_e4m3, rows=rows)
     log(format_table(rows, peak))
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)

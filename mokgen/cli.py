@@ -322,7 +322,9 @@ def tune(variant, prepare, tokens, out):
               help="Time forward + backward through autograd against torch grouped_mm with autograd.")
 def bench(spec, variant_name, tokens, baselines, json_path, backward):
     """Time the generated forward (or, with --backward, forward + backward) against torch
-    grouped_mm and the per-expert loop."""
+    grouped_mm and the per-expert loop. An FP8 variant (--dtype fp8) times mokgen.moe_fp8
+    (with --backward, mokgen.moe_fp8_train); benchmarks/fp8_gemm.py sets it beside the bf16
+    layer."""
     import torch
 
     from . import load
@@ -332,7 +334,7 @@ def bench(spec, variant_name, tokens, baselines, json_path, backward):
     if not torch.cuda.is_available():
         fail("bench needs a CUDA GPU", code=1)
     v = load(_resolve_variant(variant_name)) if variant_name else load(spec)
-    if backward and not v.has_backward:
+    if backward and not v.has_backward and v.spec.dtype != "fp8":
         fail(f"{v.name}: {v.why_no_backward()}", code=1)
     run([v], toks, json_path, tuple(b.strip() for b in baselines.split(",")), log=click.echo, backward=backward)
 
