@@ -216,28 +216,20 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
     mokgen.fp8.quantize_experts), to quantise once per optimizer step rather than once per
     micro-batch when gradients accumulate over several; they must be the current weights'
     (only their shapes are checked)."""
-    from ..fp8 import BLOCK
-
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_cuda:
         raise InputError(f"x must be a 2-d CUDA tensor [T, H], got "
                          f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
                          + (" on the CPU" if isinstance(x, torch.Tensor) and not x.is_cuda else ""))
-    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
-        raise InputError(f"w_gate must be [E, I, H], got {getattr(w_gate, 'shape', type(w_gate).__name__)}")
-    E, I, H = w_gate.shape
-    check_tensor("w_gate", w_gate, torch.bfloat16, (E, I, H), x.device)
-    check_tensor("w_up", w_up, torch.bfloat16, (E, I, H), x.device)
-    check_tensor("w_down", w_down, torch.bfloat16, (E, H, I), x.device)
+    E, I, H = _check_fp8_masters(w_gate, w_up, w_down, x.device)
     check_tensor("x", x, torch.bfloat16, (None, H), x.device)  # (before quantising anything)
-    if H % BLOCK or I % BLOCK:
-        raise InputError(f"the weights cannot be quantised to e4m3 blocks: H={H} and I={I} must be multiples of "
-                         f"{BLOCK}")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise InputError(f"topk_ids must be 2-d [T, K], got {getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
+    v = None
     if experts is None:
+        v = _fp8_variant(E, topk_ids.shape[1], H, I)
         with torch.no_grad():
-            experts = _fp8_variant(E, topk_ids.shape[1], H, I).quantize_experts_fp8(w_gate, w_up, w_down)
-    v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids)
+            experts = v.quantize_experts_fp8(w_gate, w_up, w_down)
+    v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids, variant=v)
     if experts.gate_up.values.shape[0] != E or experts.down.values.shape[1:] != (H, I):
         raise InputError(f"experts hold [E, H, I] = {list(experts.down.values.shape)}, the weights "
                          f"{[E, H, I]}: pass the experts quantised from these weights")
@@ -246,9 +238,9 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
 
 
-def _fp8_call(x, topk_ids, topk_weights, experts, check_ids: bool):
-    """Check an FP8 layer call's inputs (before any launch) and find its variant; returns
-    (variant, topk_ids as int32)."""
+def _fp8_call(x, topk_ids, topk_weights, experts, check_ids: bool, variant=None):
+    """Check an FP8 layer call's inputs (before any launch) and find its variant (unless the
+    caller has: variant); returns (variant, topk_ids as int32)."""
     from ..fp8 import BLOCK, FP8Experts
 
     if not isinstance(experts, FP8Experts):
@@ -279,7 +271,7 @@ def _fp8_call(x, topk_ids, topk_weights, experts, check_ids: bool):
                              f"{list(w.scales.shape)}")
         if w.values.device != x.device or w.scales.device != x.device:
             raise InputError(f"experts.{name} is on {w.values.device}, x is on {x.device}: all inputs must be on one GPU")
-    v = _fp8_variant(E, topk_ids.shape[1], H, I)
+    v = variant or _fp8_variant(E, topk_ids.shape[1], H, I)
     if check_ids:
         check_ids_in_range(topk_ids, E, x)
     return v, topk_ids
@@ -290,19 +282,28 @@ def quantize_experts_fp8(w_gate, w_up, w_down, topk: int):
     mokgen.fp8.FP8Experts, by the FP8 variant's kernels for this top-K (the same bits as
     mokgen.fp8.quantize_experts): for mokgen.moe_fp8, and for moe_fp8_train(experts=) to
     quantise once per optimizer step."""
-    from ..fp8 import BLOCK
-
     if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3 or not w_gate.is_cuda:
         raise InputError(f"w_gate must be a 3-d CUDA tensor [E, I, H], got {getattr(w_gate, 'shape', type(w_gate))}")
+    E, I, H = _check_fp8_masters(w_gate, w_up, w_down, w_gate.device)
+    with torch.no_grad():
+        return _fp8_variant(E, topk, H, I).quantize_experts_fp8(w_gate, w_up, w_down)
+
+
+def _check_fp8_masters(w_gate, w_up, w_down, device) -> tuple:
+    """The bf16 master weights an FP8 layer is quantised from: shapes, dtype, contiguity and
+    device, and sizes of whole 128 x 128 blocks. Returns (E, I, H)."""
+    from ..fp8 import BLOCK
+
+    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
+        raise InputError(f"w_gate must be [E, I, H], got {getattr(w_gate, 'shape', type(w_gate).__name__)}")
     E, I, H = w_gate.shape
-    check_tensor("w_gate", w_gate, torch.bfloat16, (E, I, H), w_gate.device)
-    check_tensor("w_up", w_up, torch.bfloat16, (E, I, H), w_gate.device)
-    check_tensor("w_down", w_down, torch.bfloat16, (E, H, I), w_gate.device)
+    check_tensor("w_gate", w_gate, torch.bfloat16, (E, I, H), device)
+    check_tensor("w_up", w_up, torch.bfloat16, (E, I, H), device)
+    check_tensor("w_down", w_down, torch.bfloat16, (E, H, I), device)
     if H % BLOCK or I % BLOCK:
         raise InputError(f"the weights cannot be quantised to e4m3 blocks: H={H} and I={I} must be multiples of "
                          f"{BLOCK}")
-    with torch.no_grad():
-        return _fp8_variant(E, topk, H, I).quantize_experts_fp8(w_gate, w_up, w_down)
+    return E, I, H
 
 
 def _fp8_variant(E, K, H, I):

@@ -51,6 +51,9 @@ FP8_AB_SMEM = FP8_STAGES * (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # the A and B 
 # block, warp w its 16 columns 16 w .., lane l its 4 rows 4 l .. (16-byte loads, 4-byte
 # transposed stores that a warp makes 128 contiguous bytes).
 FP8_IO_THREADS = FP8_BLOCK * 2
+# The weight gradients' epilogue tile in shared memory: bf16 rows padded by 8 elements (16
+# bytes), so the 8 rows a warp's quads write from the accumulator land on different banks.
+FP8_C_PAD = 8
 FP8_SMEM_LIMIT = 227 * 1024  # shared memory one CTA may take on sm_90
 FP8_SMEM_RESERVED = 2048  # beside the stages and tiles: barriers, unit slots, alignment
 FP8_PRODUCER_REGS = 40
@@ -311,7 +314,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         return KernelPlan(
             name=name, stage="bwd_quantize", module=name, template="quantize_cols_fp8.py.j2", entry="main",
             params=dict(name=name, cols=cols, threads=FP8_IO_THREADS, tile_m=FP8_TILE_M, e4m3_max=E4M3_MAX,
-                        gather=gather),
+                        gather=gather, cta_cols=FP8_BLOCK),
             args=[KernelArg("src", src, "bf16", ["T" if gather else "M", cols]),
                   KernelArg("row_token", "row_token", "i32", ["M"]),
                   KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
@@ -327,14 +330,16 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         split = isinstance(c, tuple)
         outs = [KernelArg("c", c[0], "bf16", [E * n1 // 2, n2]), KernelArg("c2", c[1], "bf16", [E * n1 // 2, n2])] \
             if split else [KernelArg("c", c, "bf16", [E * n1, n2])]
-        c_bytes = FP8_TILE_M * (FP8_TILE_N + 8) * 2  # the epilogue's bf16 tile, rows padded by 16 bytes
+        c_stride = FP8_TILE_N + FP8_C_PAD
+        c_bytes = FP8_TILE_M * c_stride * 2  # the epilogue's bf16 tile in shared memory
         stages = min(FP8_STAGES, (FP8_SMEM_LIMIT - FP8_SMEM_RESERVED - c_bytes) // stage_bytes)
         return KernelPlan(
             name=name, stage="wgrad", module=name, template="grouped_gemm_fp8_wgrad.py.j2", entry="main",
             params=dict(name=name, class_name=class_name, doc=doc, tile_m=FP8_TILE_M, tile_n=FP8_TILE_N,
                         tile_k=FP8_BLOCK, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages, n1=n1, n2=n2,
                         groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
-                        consumer_regs=FP8_CONSUMER_REGS, split=split, interleave=FP8_INTERLEAVE, **sched[name]),
+                        consumer_regs=FP8_CONSUMER_REGS, split=split, interleave=FP8_INTERLEAVE, c_stride=c_stride,
+                        **sched[name]),
             args=[KernelArg("a", f"{a}_q", "e4m3", ["MT", n1, FP8_TILE_M]),
                   KernelArg("a_scales", f"{a}_scales", "f32", ["MT", n1]),
                   KernelArg("b", f"{b}_q", "e4m3", ["MT", n2, FP8_TILE_M]),
