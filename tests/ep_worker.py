@@ -84,6 +84,22 @@ def start_golden(E, H, I, S=0):
     return rank, world, (wg, wu, wd), shared, gen, int(seed.item())
 
 
+def start_levels_golden():
+    """The start of a golden worker of the layer across nodes (one GPU per node): --shape E,K,H,I
+    and --tokens T,.. parsed, start_golden's weights, and this rank's share of the experts.
+    Returns (shape, token counts, rank, world, (wg, wu, wd) global, generator, this rank's
+    expert slice)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="64,8,2048,1024")
+    ap.add_argument("--tokens", default="1,513,4096")
+    a = ap.parse_args()
+    E, K, H, I = (int(v) for v in a.shape.split(","))
+    rank, world, weights, _, gen, _ = start_golden(E, H, I)
+    El = E // world
+    return (E, K, H, I), [int(t) for t in a.tokens.split(",")], rank, world, weights, gen, \
+        slice(rank * El, (rank + 1) * El)
+
+
 def finish_golden(failures: int, rank: int, label: str):
     """Sum the ranks' failures, print `label: PASS` (rank 0) or the count, leave the group and
     exit non-zero on any failure."""

@@ -12,7 +12,6 @@ raises). Prints one line per case; exits non-zero on a failure.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -25,19 +24,12 @@ from mokgen.reference import moe_reference, rel_error
 from mokgen.runtime import InputError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ep_worker import finish_golden, routing, start_golden  # noqa: E402
+from ep_worker import finish_golden, routing, start_levels_golden  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="64,8,2048,1024")
-    ap.add_argument("--tokens", default="1,513,4096")
-    a = ap.parse_args()
-    E, K, H, I = (int(v) for v in a.shape.split(","))
-    rank, world, (wg, wu, wd), _, gen, _ = start_golden(E, H, I)
-    El = E // world
+    (E, K, H, I), tokens, rank, world, (wg, wu, wd), gen, mine = start_levels_golden()
     every = quantize_experts(wg, wu, wd)
-    mine = slice(rank * El, (rank + 1) * El)
     local = quantize_experts(wg[mine].contiguous(), wu[mine].contiguous(), wd[mine].contiguous())
     failures = 0
 
@@ -58,7 +50,7 @@ def main():
         print(f"rank {rank} {name:24s} T={T:<5d} {kind:8s} vs emulation {err:.2e} vs float64 bf16 layer "
               f"{vs_ref:.2e} runs={runs} same_bits={same} {'ok' if ok else 'FAIL'}", flush=True)
 
-    for T in (int(t) for t in a.tokens.split(",")):
+    for T in tokens:
         for kind in ("uniform", "skewed", "dropped"):
             case("golden, FP8 over 2 GPUs", T, kind)
     case("uneven", 513 if rank == 0 else 7, "uniform")

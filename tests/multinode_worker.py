@@ -15,7 +15,6 @@ failure.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -29,23 +28,17 @@ from mokgen.runtime import InputError
 from mokgen.runtime.multinode import moe_multinode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ep_worker import finish_golden, routing, start_golden  # noqa: E402
+from ep_worker import finish_golden, routing, start_levels_golden  # noqa: E402
 
 TOL = 1e-2
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="64,8,2048,1024")
-    ap.add_argument("--tokens", default="1,513,4096")
-    a = ap.parse_args()
-    E, K, H, I = (int(v) for v in a.shape.split(","))
-    rank, world, (wg, wu, wd), _, gen, _ = start_golden(E, H, I)
+    (E, K, H, I), tokens, rank, world, (wg, wu, wd), gen, mine = start_levels_golden()
     El = E // world
-    mine = slice(rank * El, (rank + 1) * El)
     local = (wg[mine].contiguous(), wu[mine].contiguous(), wd[mine].contiguous())
     failures = 0
-    cap = max(int(t) for t in a.tokens.split(","))
+    cap = max(tokens)
 
     def levels(x, ids, w, nodes):
         if nodes == world:
@@ -75,14 +68,14 @@ def main():
         print(f"rank {rank} {name:26s} T={T:<5d} {kind:8s} err={err:.2e} vs 1 node x {world} GPUs {vs_one_node:.2e} "
               f"runs={runs} same_bits={same} {time.time() - t0:.1f}s {'ok' if ok else 'FAIL'}", flush=True)
 
-    for T in (int(t) for t in a.tokens.split(",")):
+    for T in tokens:
         for kind in ("uniform", "skewed"):
             case("golden, 2 nodes x 1 GPU", T, kind)
     case("uneven", 513 if rank == 0 else 7, "uniform")
     case("one rank empty", 0 if rank == world - 1 else 300, "skewed")
     case("20 runs, same bits", min(2048, cap), "skewed", runs=20)
     case("empty slots", 513, "dropped")
-    for T in (int(t) for t in a.tokens.split(",")):
+    for T in tokens:
         for kind in ("uniform", "skewed"):
             case(f"levels, 1 node x {world} GPUs", T, kind, nodes=1)
     case("levels, 1 node, one rank empty", 0 if rank == world - 1 else 300, "skewed", nodes=1)
