@@ -53,8 +53,10 @@ def _includes(k: KernelPlan) -> list[str]:
     phases = k.template == "dispatch.py.j2" or k.params.get("dispatch")
     route = k.template in ("route.py.j2", "route_backward.py.j2") or k.params.get("route")
     fp8_units = k.template in ("grouped_gemm_fp8.py.j2", "grouped_gemm_fp8_wgrad.py.j2")
+    fp8_tile = k.template in ("quantize_blocks_fp8.py.j2", "quantize_cols_fp8.py.j2")
     return (["ep_rows.py.j2"] if ep_rows else []) + (["dispatch_phases.py.j2"] if phases else []) \
-        + (["route_phases.py.j2"] if route else []) + (["fp8_units.py.j2"] if fp8_units else [])
+        + (["route_phases.py.j2"] if route else []) + (["fp8_units.py.j2"] if fp8_units else []) \
+        + (["fp8_block_tile.py.j2"] if fp8_tile else [])
 
 
 def _shim_kernel(k: KernelPlan) -> dict:

@@ -48,8 +48,9 @@ FP8_WG_THREADS = 128
 FP8_STAGES = 6  # 32 KB per stage (128 x 128 e4m3 of A and of B): 192 KB
 FP8_AB_SMEM = FP8_STAGES * (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # the A and B stages' shared memory, any tile
 # The blockwise quantisers (weights; the weight gradients' operands): a CTA per 128 x 128
-# block, warp w its 16 columns 16 w .., lane l its 4 rows 4 l .. (16-byte loads, 4-byte
-# transposed stores that a warp makes 128 contiguous bytes).
+# block, copied in by rows (16-byte loads, a warp two whole rows) to a shared-memory tile and
+# read out by columns, warp w its 16 columns 16 w .., lane l its 4 rows 4 l .. (4-byte
+# transposed stores that a warp makes 128 contiguous bytes; templates/fp8_block_tile.py.j2).
 FP8_IO_THREADS = FP8_BLOCK * 2
 # The weight gradients' epilogue tile in shared memory: bf16 rows padded by 8 elements (16
 # bytes), so the 8 rows a warp's quads write from the accumulator land on different banks.
@@ -321,8 +322,9 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                   KernelArg("out_q", f"{out}_q", "e4m3", ["MT", cols, FP8_TILE_M]),
                   KernelArg("out_scales", f"{out}_scales", "f32", ["MT", cols])],
             grid=f"(MT, {cols // FP8_BLOCK})", block=FP8_IO_THREADS,
-            warp_roles=[f"one CTA per (M tile, {FP8_BLOCK} columns), each warp 16 columns, each lane 4 rows (16-byte "
-                        "loads): each column's amax over the lanes, then e4m3, a column's 4 rows to a store"])
+            warp_roles=[f"one CTA per (M tile, {FP8_BLOCK} columns): the rows into shared memory (16-byte loads, a warp "
+                        "two whole rows), then each warp 16 columns, each lane 4 rows: each column's amax over the "
+                        "lanes, then e4m3, a column's 4 rows to a store"])
 
     def wgrad_gemm(name, class_name, doc, a, b, c, n1, n2):
         """C[e] [n1, n2] = sum over e's M tiles of A_t^T-blocks @ B_t (templates/grouped_gemm_fp8_wgrad.py.j2);
@@ -372,9 +374,10 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                   KernelArg("q_t", f"{out}_t_q", "e4m3", [E, k, n]),
                   KernelArg("scales_t", f"{out}_t_scales", "f32", [E, k // FP8_BLOCK, n // FP8_BLOCK])],
             grid=f"({E * (n // FP8_BLOCK) * (k // FP8_BLOCK)},)", block=FP8_IO_THREADS,
-            warp_roles=[f"one CTA per {FP8_BLOCK} x {FP8_BLOCK} block, each warp 16 columns, each lane 4 rows (16-byte "
-                        "loads): the block's amax, then e4m3 stored as is (16-byte rows) and transposed (4-byte "
-                        "columns)"])
+            warp_roles=[f"one CTA per {FP8_BLOCK} x {FP8_BLOCK} block: its rows into shared memory (16-byte loads, a "
+                        "warp two whole rows) and the block's amax; then by columns, each warp 16, each lane 4 rows: "
+                        "each value divided once, its e4m3 stored transposed (4-byte stores) and to a second tile, "
+                        "from which the rows are stored as they are (16-byte stores)"])
 
     # The experts' weights from bf16 masters, as mokgen.fp8.quantize_experts (the same bits), on
     # the GPU: mokgen.moe_fp8_train quantises them on every call.
