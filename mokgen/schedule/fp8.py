@@ -350,8 +350,9 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                   KernelArg("tile_counter", "tile_counters", "i32", [n_counters])] + outs,
             grid=f"(min({target.sms}, {E * (n1 // FP8_TILE_M) * (n2 // FP8_TILE_N)}),)", block=threads,
             warp_roles=["warpgroup 0, warp 0: the unit scheduler (expert, m, n) and TMA producer, per M tile of the "
-                        "expert", "warpgroups 1-2: QGMMA per M tile, waited for, promoted with the row and column "
-                        "scales of both operands"],
+                        "expert", "warpgroup 0, warps 1-3: each unit's tile from shared memory to C (16-byte stores)",
+                        "warpgroups 1-2: QGMMA per M tile, waited for, promoted with the row and column scales of "
+                        "both operands"],
             smem_bytes=stages * stage_bytes + c_bytes)
 
     wgrad_down = wgrad_gemm("wgrad_down_fp8", "WgradDownFP8",
