@@ -365,6 +365,13 @@ def test_quantize_cols_fp8_golden(shape, T, routing):
     E, K, H, I = shape
     v, (x, ids, _, _, _, _, _), (rows, tile_expert, row_expert), g = routed_case(shape, T, routing,
                                                                                  T * 37 + len(routing))
+    # Values that test the quantiser's division (a reciprocal and one corrected step): a column
+    # of negative zeros (-0 in e4m3), quotients that are exactly 448 or an e4m3 rounding tie
+    # (0.796875 / 0.75 = 1.0625), and one that underflows fp32.
+    x[:, 3] = -0.0
+    x[:, 5] = 0.796875
+    x[0, 5] = 336.0
+    x[-1, 6] = 1e-30
     row_token, _ = pair_rows(ids, row_expert, E)
     mt = tile_expert.shape[0]
     src = torch.where((row_token >= 0)[:, None], x[row_token.clamp(min=0).long()].float(), 0.0)
@@ -561,7 +568,8 @@ def test_fp8_weight_gradients_of_the_last_experts_at_e256_h7168():
 def test_quantize_experts_kernels_give_the_bits_of_quantize_experts(shape):
     """Variant.quantize_experts_fp8 (the Plan's quantize_experts kernels, which mokgen.moe_fp8_train
     runs on every call) against mokgen.fp8.quantize_experts: the same e4m3 values and scales,
-    transposed copies included, with an all-zero block (scale 1) and a block of one large value.
+    transposed copies included, with an all-zero block (scale 1), a block of one large value, and
+    negative zeros, an e4m3 rounding tie and an fp32 underflow among the quotients.
     At E256 H7168 each projection passes 2^31 elements (64-bit offsets per expert)."""
     from mokgen.fp8 import quantize_experts
 
@@ -574,6 +582,13 @@ def test_quantize_experts_kernels_give_the_bits_of_quantize_experts(shape):
     wu[E - 1, :64, :128] = 0.0
     wd[0, 128:256, 128:256] = 0.0
     wd[E - 1, 5, 7] = 3e4
+    # for the division (a reciprocal and one corrected step): negative zeros, a quotient that is an
+    # e4m3 rounding tie (0.796875 / (336 / 448) = 1.0625), one that underflows fp32
+    wd[0, 256:384, :128] = 0.796875
+    wd[0, 256, 0] = 336.0
+    wd[0, 257, :64] = -0.0
+    wd[0, 258, 0] = 1e-30
+    wg[0, 0, :16] = -0.0
     got = v.quantize_experts_fp8(wg, wu, wd)
     want = quantize_experts(wg, wu, wd)
     for name in ("gate_up", "down", "gate_up_t", "down_t"):
