@@ -41,6 +41,22 @@ def test_plan_invariants(spec):
     assert ("shared_gateup" in p.steps["forward"]) == bool(spec.shared_intermediate)
 
 
+def test_register_splits_stay_within_the_ctas_pool():
+    # setmaxnreg moves registers within what a CTA was given at launch: 384 threads hold 168
+    # each (64512), not the SM's 65536; a 48 / 232 split waited for ever on the GPU
+    assert H200.register_pool(384) == 168 * 384
+    H200.check_register_split("GEMM", 40, 128, 232, 256)
+    H200.check_register_split("GEMM", 56, 128, 224, 256)
+    with pytest.raises(ValueError, match="holds 64512"):
+        H200.check_register_split("GEMM", 48, 128, 232, 256)
+    for spec in SPECS + [MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8")]:
+        for k in make_plan(spec).kernels:
+            prm = k.params
+            if "producer_regs" in prm and "consumer_regs" in prm:
+                consumers = k.block - 128
+                assert prm["producer_regs"] * 128 + prm["consumer_regs"] * consumers <= H200.register_pool(k.block), k.name
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.variant)
 def test_routed_row_bound_holds_for_any_routing(spec):
     """The padded row buffer sized from T alone holds every possible routing."""

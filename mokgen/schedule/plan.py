@@ -204,11 +204,13 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, 
     smem = stages * stage_bytes + epi_bytes + 1024
     if smem > target.smem_per_block:
         raise PlanError(f"GEMM needs {smem} B of shared memory, {target.name} offers {target.smem_per_block}")
-    # setmaxnreg: the producer gives registers to the consumers (64K registers per SM).
+    # setmaxnreg: the producer gives registers to the consumers, within the CTA's pool.
     # A gathering producer keeps a token index per row it copies, so it keeps more.
     producer_regs, consumer_regs = (56, 224) if gather_a else (40, 232)
-    if producer_regs * WARPGROUP_THREADS + consumer_regs * consumer_threads > 65536:
-        raise PlanError("register split exceeds the register file")
+    try:
+        target.check_register_split("GEMM", producer_regs, WARPGROUP_THREADS, consumer_regs, consumer_threads)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     return dict(tile_m=tile_m, tile_n=tile_n, tile_k=TILE_K, stages=stages, epi_tile=list(epi_tile),
                 epi_stages=epi_stages, mma_warpgroups=mma_warpgroups, threads=threads, sms=target.sms,
                 producer_regs=producer_regs, consumer_regs=consumer_regs, smem_bytes=smem)

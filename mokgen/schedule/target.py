@@ -34,6 +34,23 @@ class Target:
     peer_store_gbs_per_sm: float = 0.0
     peer_store_gbs: float = 0.0
 
+    regs_per_sm: int = 65536
+
+    def register_pool(self, threads: int) -> int:
+        """The registers a CTA of `threads` threads holds (one CTA per SM): each thread's launch
+        count, rounded down to a multiple of 8, times the threads. setmaxnreg only moves registers
+        within this pool: an increase past it waits for ever (384 threads: 168 each, 64512, not
+        the SM's 65536; a 48 / 232 split hung)."""
+        return min(self.max_regs_per_thread, self.regs_per_sm // threads) // 8 * 8 * threads
+
+    def check_register_split(self, what: str, producer_regs: int, producer_threads: int, consumer_regs: int,
+                             consumer_threads: int) -> None:
+        need = producer_regs * producer_threads + consumer_regs * consumer_threads
+        pool = self.register_pool(producer_threads + consumer_threads)
+        if need > pool:
+            raise ValueError(f"{what}: the register split {producer_regs} / {consumer_regs} needs {need} registers, "
+                             f"a CTA of {producer_threads + consumer_threads} threads holds {pool}")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
