@@ -58,8 +58,9 @@ FP8_C_PAD = 8
 FP8_SMEM_LIMIT = 227 * 1024  # shared memory one CTA may take on sm_90
 FP8_SMEM_RESERVED = 2048  # beside the stages and tiles: barriers, unit slots, alignment
 # The weight gradients' store warps copy their tile out with this many shared-memory loads in
-# flight (unrolled: each load's latency not waited for alone; 2-6% at E256 over the loop of 1)
-FP8_STORE_UNROLL = 4
+# flight (unrolled: each load's latency not waited for alone; 2-6% at E256 over the loop of 1;
+# 4 spills two registers of the store warps' 40)
+FP8_STORE_UNROLL = 2
 # The rows' quantiser loads up to this many 1 x 128 blocks of a token's row before it quantises
 # them (their loads in flight together): the largest of 4, 2, 1 that divides H / 128
 FP8_ROWS_BATCH = 4
@@ -184,6 +185,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     gateup_unroll, why_gateup = k_unroll("gemm_gateup_fp8", H // FP8_BLOCK, 2, overrides, wide=gateup_b_tiles > 1)
     gateup_stages = FP8_AB_SMEM // ((FP8_TILE_M + gateup_b_tiles * FP8_TILE_N) * FP8_BLOCK)
     threads = FP8_WG_THREADS * (1 + FP8_MMA_WARPGROUPS)  # a producer warpgroup, the consumers
+    target.check_register_split("FP8 GEMMs", FP8_PRODUCER_REGS, FP8_WG_THREADS, FP8_CONSUMER_REGS,
+                                FP8_WG_THREADS * FP8_MMA_WARPGROUPS)
     stage_bytes = (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # e4m3 A and B tiles of one K block
     # gate/up keeps the first pass's h (fp32) per consumer thread until the second pass
     stash_bytes = 4 * FP8_TILE_M * FP8_TILE_N // 2
@@ -340,8 +343,12 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         outs = [KernelArg("c", c[0], "bf16", [E * n1 // 2, n2]), KernelArg("c2", c[1], "bf16", [E * n1 // 2, n2])] \
             if split else [KernelArg("c", c, "bf16", [E * n1, n2])]
         c_stride = FP8_TILE_N + FP8_C_PAD
+        # warpgroup 0's three store warps walk whole rows of the tile, 16 bytes a thread
+        assert (FP8_WG_THREADS - 32) % (FP8_TILE_N * 2 // 16) == 0, "the store threads must cover whole rows"
         c_bytes = FP8_TILE_M * c_stride * 2  # the epilogue's bf16 tile in shared memory
-        stages = min(FP8_STAGES, (FP8_SMEM_LIMIT - FP8_SMEM_RESERVED - c_bytes) // stage_bytes)
+        # a stage also holds the M tile's fp32 scales of the unit's columns of A and of B
+        wgrad_stage_bytes = stage_bytes + (FP8_TILE_M + FP8_TILE_N) * 4
+        stages = min(FP8_STAGES, (FP8_SMEM_LIMIT - FP8_SMEM_RESERVED - c_bytes) // wgrad_stage_bytes)
         return KernelPlan(
             name=name, stage="wgrad", module=name, template="grouped_gemm_fp8_wgrad.py.j2", entry="main",
             params=dict(name=name, class_name=class_name, doc=doc, tile_m=FP8_TILE_M, tile_n=FP8_TILE_N,
@@ -358,10 +365,10 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                   KernelArg("tile_counter", "tile_counters", "i32", [n_counters])] + outs,
             grid=f"(min({target.sms}, {E * (n1 // FP8_TILE_M) * (n2 // FP8_TILE_N)}),)", block=threads,
             warp_roles=["warpgroup 0, warp 0: the unit scheduler (expert, m, n) and TMA producer, per M tile of the "
-                        "expert", "warpgroup 0, warps 1-3: each unit's tile from shared memory to C (16-byte stores)",
+                        "expert (the A and B tiles and their columns' scales)", "warpgroup 0, warps 1-3: each unit's tile from shared memory to C (16-byte stores)",
                         "warpgroups 1-2: QGMMA per M tile, waited for, promoted with the row and column scales of "
                         "both operands"],
-            smem_bytes=stages * stage_bytes + c_bytes)
+            smem_bytes=stages * wgrad_stage_bytes + c_bytes)
 
     wgrad_down = wgrad_gemm("wgrad_down_fp8", "WgradDownFP8",
                             "FP8 weight gradient of the down projection: d_w_down[e] = dy_e^T @ (w h)_e over the "
