@@ -617,3 +617,64 @@ def test_fp8_training_forward_saves_the_products_the_backward_would_recompute(sh
     recomputed = v.backward_fp8(dout, x, ids, w, experts)
     for k in recomputed:
         assert torch.equal(saved[k], recomputed[k]), f"{k} differs from the recomputing backward's"
+
+
+# Debug builds whose waits give up after half a second: the first stage of CTA 0 in one GEMM is
+# never given its TMA bytes, so its consumers wait for a load that never lands. (overrides, the
+# Variant method that runs that GEMM, the kernel the error must name)
+FP8_BROKEN_BUILDS = {
+    "fp8_forward_stall": ({"gemm_down_fp8.debug_break": 1, "wait_timeout_ms": 500}, "forward_fp8",
+                          "gemm_down_fp8"),
+    "fp8_wgrad_stall": ({"wgrad_down_fp8.debug_break": 1, "wait_timeout_ms": 500}, "backward_fp8",
+                        "wgrad_down_fp8"),
+}
+
+
+def fp8_debug_dir(name):
+    from mokgen.codegen import default_out
+
+    return default_out() / "debug" / name
+
+
+@pytest.mark.parametrize("broken", sorted(FP8_BROKEN_BUILDS))
+def test_a_stalled_fp8_gemm_fails_fast_instead_of_hanging(broken):
+    """Every wait of the FP8 GEMMs is bounded: a stage that never fills ends the call with
+    KernelTimeout naming the GEMM, within the bound, and the CUDA context still works."""
+    import subprocess
+    import sys
+    import time
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    overrides, method, kernel = FP8_BROKEN_BUILDS[broken]
+    E, K, H, I = FP8_SHAPES[0]
+    path = fp8_debug_dir(broken) / MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8").variant
+    if not (path / "build").is_dir():
+        pytest.skip(f"{path} is not built (benchmarks/build_gpu_variants.py)")
+    call = "v.forward_fp8(x, ids, w, experts)" if method == "forward_fp8" else \
+        "v.backward_fp8(torch.randn_like(x), x, ids, w, experts)"
+    code = (
+        "import dataclasses, torch, mokgen\n"
+        "from mokgen.runtime import KernelTimeout\n"
+        "from mokgen.fp8 import quantize_experts\n"
+        "from mokgen.verify import make_inputs\n"
+        f"v = mokgen.load({str(path)!r})\n"
+        "x, ids, w, wg, wu, wd, _ = make_inputs(dataclasses.replace(v.spec, dtype='bf16'), 1000, 'uniform')\n"
+        "experts = quantize_experts(wg, wu, wd)\n"
+        f"{call}\n"
+        "try:\n"
+        "    v.check_errors()\n"
+        "    print('finished')\n"
+        "except KernelTimeout as e:\n"
+        "    print('KernelTimeout:', e)\n"
+        "    good = mokgen.load(v.spec, build=False)\n"  # the context survived: a normal call still works
+        "    out = good.forward_fp8(x, ids, w, experts); torch.cuda.synchronize()\n"
+        "    print('recovered', bool(torch.isfinite(out).all()))\n"
+    )
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    elapsed = time.time() - t0
+    assert "finished" not in p.stdout, "the stalled kernel completed without reporting?"
+    assert "KernelTimeout:" in p.stdout and kernel in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "recovered True" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert elapsed < 60, f"took {elapsed:.0f}s to fail"

@@ -96,6 +96,7 @@ SCHED_STAGES = 2  # tile-scheduler slots in shared memory
 SCHED_SLOT = 2  # this GEMM's entry in the tile_counter buffer
 # Warps that read every scheduled tile: the producer warps that load, and all consumer warps.
 SCHED_READERS = WG_THREADS // 32 + CONSUMER_THREADS // 32
+SITE_H_READY = 4  # a down tile waited for its gate/up tiles (fused launch)
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: give up, report it
 STATUS_POLL_NS = 1000000  # a wait this long also checks whether another thread already gave up
 STATUS_SLOT = 13  # tile_counter entry for the launch's error code (0: none)
@@ -103,7 +104,52 @@ ERROR_BASE = 48  # error code = ERROR_BASE + site: which kernel, which wait
 SITE_STAGE_FULL = 1  # a consumer waited for a loaded stage
 SITE_STAGE_FREE = 2  # the producer waited for a stage to be released
 SITE_SCHED = 3  # a warp waited for the tile scheduler (or it for its readers)
-SITE_H_READY = 4  # a down tile waited for its gate/up tiles (fused launch)
+
+
+@cute.jit
+def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute.Pointer, site: cutlass.Int32,
+                 failed: cutlass.Boolean) -> cutlass.Boolean:
+    """Wait for an mbarrier phase, but never forever; returns whether this thread has given up.
+    After WAIT_TIMEOUT_NS the thread records an error code (this kernel, the wait's site) in
+    status and gives up; once any thread has recorded one, every later wait gives up within
+    STATUS_POLL_NS. A thread that has given up waits no more and arrives on no pipeline
+    barrier (callers skip their arrivals and TMA loads): an arrival out of phase can underflow
+    a barrier that still expects TMA bytes, which faults. So a deadlock ends the kernel
+    normally (garbage output, CUDA context intact) and the host raises a clear error."""
+    gave_up = failed
+    if not failed:
+        done = cute.arch.mbarrier_try_wait(barrier, phase)
+        if not done:
+            start = cute.arch.globaltimer()
+            while not done:
+                done = cute.arch.mbarrier_try_wait(barrier, phase)
+                if not done:
+                    waited = cute.arch.globaltimer() - start
+                    if waited > WAIT_TIMEOUT_NS:
+                        cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=ERROR_BASE + site, sem="relaxed", scope="gpu")
+                        done = True
+                        gave_up = True
+                    elif waited > STATUS_POLL_NS:
+                        if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
+                            done = True
+                            gave_up = True
+    return gave_up
+
+
+@cute.jit
+def producer_tail_bounded(ab_pipeline, state, status: cute.Pointer, failed: cutlass.Boolean):
+    """Before the producer leaves, every stage it filled has been released (bounded wait)."""
+    for _ in cutlass.range_constexpr(STAGES):
+        failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(state.index), state.phase, status, SITE_STAGE_FREE, failed)
+        state.advance()
+
+
+@cute.jit
+def release_unless_failed(ab_pipeline, state, failed: cutlass.Boolean):
+    """Free a consumed stage, unless this thread has given up a wait (see wait_bounded). (A jit
+    function so that plain-Python helpers traced inline can branch on the staged flag.)"""
+    if not failed:
+        ab_pipeline.consumer_release(state)
 
 
 @cute.jit
@@ -460,43 +506,6 @@ def sched_read(sched_bar: cute.Pointer, sched_tile: cute.Tensor, i: cutlass.Int3
         cute.arch.mbarrier_arrive(sched_bar + SCHED_STAGES + slot)
     return tile
 
-
-@cute.jit
-def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute.Pointer, site: cutlass.Int32,
-                 failed: cutlass.Boolean) -> cutlass.Boolean:
-    """Wait for an mbarrier phase, but never forever; returns whether this thread has given up.
-    After WAIT_TIMEOUT_NS the thread records an error code (this kernel, the wait's site) in
-    status and gives up; once any thread has recorded one, every later wait gives up within
-    STATUS_POLL_NS. A thread that has given up waits no more and arrives on no pipeline
-    barrier (callers skip their arrivals and TMA loads): an arrival out of phase can underflow
-    a barrier that still expects TMA bytes, which faults. So a deadlock ends the kernel
-    normally (garbage output, CUDA context intact) and the host raises a clear error."""
-    gave_up = failed
-    if not failed:
-        done = cute.arch.mbarrier_try_wait(barrier, phase)
-        if not done:
-            start = cute.arch.globaltimer()
-            while not done:
-                done = cute.arch.mbarrier_try_wait(barrier, phase)
-                if not done:
-                    waited = cute.arch.globaltimer() - start
-                    if waited > WAIT_TIMEOUT_NS:
-                        cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=ERROR_BASE + site, sem="relaxed", scope="gpu")
-                        done = True
-                        gave_up = True
-                    elif waited > STATUS_POLL_NS:
-                        if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
-                            done = True
-                            gave_up = True
-    return gave_up
-
-
-@cute.jit
-def producer_tail_bounded(ab_pipeline, state, status: cute.Pointer, failed: cutlass.Boolean):
-    """Before the producer leaves, every stage it filled has been released (bounded wait)."""
-    for _ in cutlass.range_constexpr(STAGES):
-        failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(state.index), state.phase, status, SITE_STAGE_FREE, failed)
-        state.advance()
 
 
 class GemmFused:

@@ -41,11 +41,12 @@ class KernelTimeout(RuntimeError):
     The output of that call is invalid; the CUDA context stays usable."""
 
 
-# Where a GEMM wait gave up (the low 4 bits of its error code; templates/grouped_gemm_persistent.py.j2).
+# Where a GEMM wait gave up (the low 4 bits of its error code; templates/bounded_wait.py.j2 and the GEMM templates).
 WAIT_SITES = {1: "a consumer waiting for a loaded pipeline stage", 2: "the producer waiting for a free pipeline stage",
               3: "a warp waiting on the tile scheduler", 4: "a down tile waiting for its gate/up tiles (h_ready)",
               5: "the return waiting for an M tile's down tiles (down_ready)",
-              6: "a CTA waiting for every expert to be counted, or placed (the dispatch inside the launch)"}
+              6: "a CTA waiting for every expert to be counted, or placed (the dispatch inside the launch)",
+              7: "the weight gradients' epilogue tile (its consumers waiting for it to be free, or its store warps for it)"}
 
 
 def timeout_message(variant: str, gemm_by_slot: dict, code: int, timeout_ms: int) -> str:

@@ -76,7 +76,10 @@ FP8_SCHED_STAGES = 2  # unit slots between a GEMM's scheduler and its consumers 
 # runtime iteration of the mainloop (k_unroll: 0 = the whole loop unrolled; otherwise the
 # number of 2-block steps per iteration).
 FP8_GEMMS = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
-FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "cluster", "tile_n"))
+FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "cluster", "tile_n")) + (
+    # every wait's bound (ms; the bf16 layer's default), and debug builds whose GEMM's CTA 0 never
+    # gets the bytes of its first stage: its waits must give up and the call raise KernelTimeout
+    "wait_timeout_ms", "gemm_down_fp8.debug_break", "wgrad_down_fp8.debug_break")
 # A GEMM's unit of work spans FP8_WIDE_B_TILES weight tiles side by side in N (a 128 x 256
 # tile) where N allows: A is loaded once for both, so the bytes into the SM per FLOP fall by a
 # quarter, at the cost of one block accumulator per warpgroup instead of two (the two sums
@@ -170,7 +173,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     from .plan import Buffer, make_plan
 
     twin = make_plan(dataclasses.replace(spec, dtype="bf16"), target,
-                     {"row_tile": FP8_TILE_M, "fuse_gemms": False})
+                     {"row_tile": FP8_TILE_M, "fuse_gemms": False,
+                      **{k: v for k, v in overrides.items() if k == "wait_timeout_ms"}})
     # Each GEMM claims its units from the twin GEMM's slot of tile_counters (which the twin's
     # dispatch zeroes every call).
     twin_gemms = {k.name: k for k in twin.kernels}
@@ -178,7 +182,10 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     twin_of = {"gemm_gateup_fp8": "gemm_gateup", "gemm_down_fp8": "gemm_down", "bwd_recompute_fp8": "bwd_recompute",
                "bwd_dgrad_down_fp8": "bwd_dgrad_down", "bwd_dgrad_gateup_fp8": "bwd_dgrad_gateup",
                "wgrad_down_fp8": "wgrad_down", "wgrad_gateup_fp8": "wgrad_gate"}
-    sched = {name: dict(sched_slot=twin_gemms[bf16].params["sched_slot"], sched_stages=FP8_SCHED_STAGES)
+    # Each FP8 GEMM takes its bf16 twin's unit counter and the launch's error code (every wait is
+    # bounded by the same timeout: templates/bounded_wait.py.j2)
+    sched = {name: dict(sched_slot=twin_gemms[bf16].params["sched_slot"], sched_stages=FP8_SCHED_STAGES,
+                        **{key: twin_gemms[bf16].params[key] for key in ("status_slot", "wait_timeout_ns", "status_poll_ns")})
              for name, bf16 in twin_of.items()}
     gateup_cluster, why_gateup_cluster = cluster_n("gemm_gateup_fp8", I // FP8_BLOCK, overrides)
     gateup_b_tiles, why_gateup_tile = b_tiles("gemm_gateup_fp8", 2 * I, gateup_cluster, overrides)
@@ -207,7 +214,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                         mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages, n_size=n_size, k_size=k_size,
                         groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
                         consumer_regs=FP8_CONSUMER_REGS, k_unroll=unroll, cluster_n=cluster, b_tiles=tiles,
-                        **sched[name]),
+                        debug_break=bool(overrides.get(f"{name}.debug_break")), **sched[name]),
             # (scales row-major [M, K/128]: a tensor's dynamic extent may only be its first, as
             # the launch shim passes no strides)
             args=[KernelArg("a", a, "e4m3", ["M", k_size]),
@@ -355,7 +362,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                         tile_k=FP8_BLOCK, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages, n1=n1, n2=n2,
                         groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
                         consumer_regs=FP8_CONSUMER_REGS, split=split, interleave=FP8_INTERLEAVE, c_stride=c_stride,
-                        store_unroll=FP8_STORE_UNROLL,
+                        store_unroll=FP8_STORE_UNROLL, debug_break=bool(overrides.get(f"{name}.debug_break")),
                         **sched[name]),
             args=[KernelArg("a", f"{a}_q", "e4m3", ["MT", n1, FP8_TILE_M]),
                   KernelArg("a_scales", f"{a}_scales", "f32", ["MT", n1]),
