@@ -44,6 +44,9 @@ for name, (overrides, *_) in FP8_BROKEN_BUILDS.items():
 # Each GPU's half of E64 in FP8 (tests/fp8_ep_worker.py: mokgen.moe_fp8 over 2 GPUs).
 build(MoESpec(experts=32, topk=8, hidden=2048, intermediate=1024, dtype="fp8"), default_out(), force=force,
       log=lambda m: None)
+# The training demo's layer in FP8 (benchmarks/train_demo.py --dtype fp8: mokgen.MoE(dtype="fp8")).
+build(MoESpec(experts=40, topk=6, hidden=1536, intermediate=640, dtype="fp8"), default_out(), force=force,
+      log=lambda m: None)
 # The FP8 benchmark's DeepSeek-V3 layer (benchmarks/fp8_gemm.py --shape 256,8,7168,2048).
 build(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048, dtype="fp8"), default_out(), force=force,
       log=lambda m: None)

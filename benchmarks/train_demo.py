@@ -1,8 +1,11 @@
 """Train a small language model whose MoE blocks run on the generated kernels, beside the
 same model on torch ops (same initial parameters, same batches), and compare the loss curves.
 
-    python benchmarks/train_demo.py [--steps 300] [--out bench-out/train]
+    python benchmarks/train_demo.py [--steps 300] [--out bench-out/train] [--dtype fp8]
     torchrun --nproc-per-node=2 benchmarks/train_demo.py     # expert parallel over 2 GPUs
+
+--dtype fp8: the MoE blocks are mokgen.MoE(dtype="fp8") (the FP8 experts over bf16 master
+weights, every gradient in FP8), beside the same model on torch bf16 ops.
 
 Expert parallel (under torchrun): every rank holds E/W experts of each MoE block and trains
 on its own batches (the same chain); the replicated parameters' gradients are averaged over
@@ -49,12 +52,12 @@ class RMSNorm(nn.Module):
 class TinyMoELM(nn.Module):
     """Embedding -> LAYERS x (x + MoE(norm(x))) -> norm -> head."""
 
-    def __init__(self, reference: bool, device, group=None):
+    def __init__(self, reference: bool, device, group=None, dtype="bf16"):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN, device=device, dtype=torch.bfloat16)
         self.norms = nn.ModuleList(RMSNorm(HIDDEN, device) for _ in range(LAYERS))
         self.moes = nn.ModuleList(mokgen.MoE(HIDDEN, INTER, EXPERTS, TOPK, renormalize=True, device=device,
-                                             reference=reference, group=group) for _ in range(LAYERS))
+                                             reference=reference, group=group, dtype=dtype) for _ in range(LAYERS))
         self.final = RMSNorm(HIDDEN, device)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False, device=device, dtype=torch.bfloat16)
 
@@ -133,7 +136,7 @@ def init_experts(model, group):
             p.copy_(full[rank * p.shape[0]:(rank + 1) * p.shape[0]])
 
 
-def plot(curves: dict, world: int, path: Path) -> None:
+def plot(curves: dict, world: int, path: Path, dtype: str = "bf16") -> None:
     """Both loss curves (train.json's "curves") as a PNG, where matplotlib is installed."""
     try:
         import matplotlib
@@ -149,7 +152,8 @@ def plot(curves: dict, world: int, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss")
     ax.set_title(f"Tiny MoE LM, mokgen vs torch: {LAYERS} layers of E{EXPERTS} K{TOPK} H{HIDDEN} I{INTER}"
-                 + (f"\nexpert parallel over {world} GPUs" if world > 1 else ""), fontsize=10)
+                 + (f"\nexpert parallel over {world} GPUs" if world > 1 else "")
+                 + ("\nmokgen's experts in FP8, torch's in bf16" if dtype == "fp8" else ""), fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -163,28 +167,33 @@ def main():
     ap.add_argument("--out", type=Path, default=Path("bench-out/train"))
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--plot", type=Path, default=None, help="only redraw train.png from this train.json")
+    ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="the mokgen model's experts (torch's: bf16)")
     args = ap.parse_args()
     if args.plot:
         data = json.loads(args.plot.read_text())
-        return plot(data["curves"], data["summary"].get("world_size", 1), args.plot.with_name("train.png"))
+        return plot(data["curves"], data["summary"].get("world_size", 1), args.plot.with_name("train.png"),
+                    data["summary"].get("dtype", "bf16"))
     if not torch.cuda.is_available():
         sys.exit("train_demo needs a CUDA GPU")
     group, rank, world = None, 0, int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
+        if args.dtype == "fp8":
+            sys.exit("--dtype fp8 runs on one GPU (mokgen.MoE(dtype='fp8') is not expert parallel)")
         rank = int(os.environ["RANK"])
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
         group = dist.group.WORLD
     device = "cuda"
     torch.manual_seed(0)
-    ours = TinyMoELM(reference=False, device=device, group=group)
+    ours = TinyMoELM(reference=False, device=device, group=group, dtype=args.dtype)
     if group is not None:
         init_experts(ours, group)
     ref = TinyMoELM(reference=True, device=device, group=group)
     ref.load_state_dict(copy.deepcopy(ours.state_dict()))
     if rank == 0:
         print(f"{BATCH}x{SEQ} tokens per step{f' per rank, {world} ranks (expert parallel)' if group else ''}, "
-              f"{LAYERS} MoE layers E{EXPERTS} K{TOPK} H{HIDDEN} I{INTER}", flush=True)
+              f"{LAYERS} MoE layers E{EXPERTS} K{TOPK} H{HIDDEN} I{INTER}"
+              f"{', mokgen experts in FP8' if args.dtype == 'fp8' else ''}", flush=True)
     curves = {"mokgen": train(ours, args.steps, device, args.log_every, "mokgen", group),
               "torch": train(ref, args.steps, device, args.log_every, "torch", group)}
     if rank != 0:
@@ -195,13 +204,13 @@ def main():
     final = (sum(a[-tail:]) / tail, sum(b[-tail:]) / tail)
     worst_step = max(abs(x - y) for x, y in zip(a, b))
     ok = abs(final[0] - final[1]) <= 0.02 * final[1] and worst_step <= 0.1
-    summary = dict(steps=args.steps, world_size=world, first_loss=(a[0], b[0]), final_loss=final,
+    summary = dict(steps=args.steps, world_size=world, dtype=args.dtype, first_loss=(a[0], b[0]), final_loss=final,
                    max_step_difference=worst_step, agree=ok)
     print(f"first loss {a[0]:.4f} / {b[0]:.4f}, final (mean of last {tail}) {final[0]:.4f} / {final[1]:.4f} "
           f"(mokgen / torch), largest per-step difference {worst_step:.4f}: {'agree' if ok else 'DISAGREE'}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train.json").write_text(json.dumps(dict(summary=summary, curves=curves), indent=1))
-    plot(curves, world, args.out / "train.png")
+    plot(curves, world, args.out / "train.png", args.dtype)
     if group is not None:
         dist.destroy_process_group()
     sys.exit(0 if ok else 1)

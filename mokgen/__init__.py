@@ -37,13 +37,15 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids=True, group=None):
     return _moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids, group=group)
 
 
-def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=None, check_ids=True):
+def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=None, check_ids=True,
+                  recompute=False):
     """The FP8 layer over bf16 master weights (quantised on each call, or once per optimizer step:
     experts=quantize_experts_fp8(...)), differentiable in every input (see
     mokgen.runtime.moe_fp8_train)."""
     from .runtime import moe_fp8_train as _moe_fp8_train
 
-    return _moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, experts=experts, check_ids=check_ids)
+    return _moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, experts=experts, check_ids=check_ids,
+                          recompute=recompute)
 
 
 def quantize_experts_fp8(w_gate, w_up, w_down, topk):

@@ -6,6 +6,7 @@ PyTorch, or with fused_routing=True in the generated route kernel and its genera
 (d_logits from d_topk_weights); either way the router's weight gets its gradient through
 d_topk_weights, which the generated backward returns. `reference=True` builds the same block
 on plain PyTorch ops (torch grouped_mm), for comparisons and for machines without a GPU build.
+`dtype="fp8"` runs the routed experts in FP8 (docs/fp8.md) over the same bf16 parameters.
 """
 from __future__ import annotations
 
@@ -14,6 +15,24 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# Optimizer steps taken in this process (any torch.optim optimizer): the FP8 blocks' kept
+# experts are from before the last one, or not. (A fused AdamW step does not bump its
+# parameters' version counters, measured on an H200 with torch 2.11, so those alone miss it.)
+_OPTIMIZER_STEPS = [0]
+_STEP_HOOK = []
+
+
+def _count_optimizer_steps() -> None:
+    """Count every optimizer step from now on (one global post-step hook, registered once)."""
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def stepped(optimizer, args, kwargs):
+            _OPTIMIZER_STEPS[0] += 1
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(stepped))
 
 
 def route_torch(logits: torch.Tensor, topk: int, renormalize: bool):
@@ -106,6 +125,18 @@ class MoE(nn.Module):
     fused_routing=True routes with the generated route kernel (and its backward) instead of torch ops;
     in inference (no autograd, one GPU) routing then runs inside the layer's single launch.
 
+    dtype="fp8": the routed experts run the generated FP8 layer (mokgen.moe_fp8_train: e4m3
+    with block scales, every gradient in FP8, bf16 out) over the bf16 parameters, which stay the
+    master weights the optimizer updates. Their FP8 copy (as many bytes as the bf16 weights) is
+    kept between calls and quantised again once any torch.optim optimizer has stepped (a global
+    post-step hook counts the steps) or w_gate, w_up or w_down has changed otherwise (their
+    storage, or their version counters, which in-place updates such as load_state_dict and
+    nn.init bump): so micro-batches that accumulate gradients between two optimizer steps
+    quantise once. An update that neither steps a torch.optim optimizer nor bumps the counters
+    (writing through `.data` outside an optimizer) must be followed by requantize(). One GPU; a
+    shared expert runs in bf16 (torch matmuls) beside the FP8 experts; hidden and intermediate
+    sizes multiples of 128.
+
     Expert parallel (group: a process group of W ranks, one GPU each, linked by NVLink): the
     module holds its rank's E/W experts (rank r: global experts r*E/W ...), the router and the
     shared expert are replicated (their gradients are each rank's own: average them across
@@ -116,10 +147,13 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int, shared_intermediate: int = 0,
                  renormalize: bool = False, device=None, reference: bool = False, recompute: bool = False,
                  group=None, max_tokens: int | None = None, recv_rows: int | None = None,
-                 fused_routing: bool = False):
+                 fused_routing: bool = False, dtype: str = "bf16"):
         super().__init__()
         from .ir import MoESpec
 
+        if dtype == "fp8" and group is not None:
+            raise ValueError("dtype='fp8' runs on one GPU: its expert-parallel forward (mokgen.moe_fp8(group=)) has "
+                             "no backward to train with; use dtype='bf16' with group=")
         world = 1
         if group is not None:
             import torch.distributed as dist
@@ -128,7 +162,7 @@ class MoE(nn.Module):
         # Validates the sizes with the spec's messages before any allocation.
         self.spec = MoESpec(experts=experts, topk=topk, hidden=hidden, intermediate=intermediate,
                             shared_intermediate=shared_intermediate, renormalize=renormalize, world_size=world,
-                            topology="nvlink" if world > 1 else "single")
+                            topology="nvlink" if world > 1 else "single", dtype=dtype)
         self.reference = reference
         self.fused_routing = fused_routing  # softmax / top-k in the generated route kernels
         self.recompute = recompute  # save only the inputs; the backward recomputes the SwiGLU inputs
@@ -151,7 +185,10 @@ class MoE(nn.Module):
         # that torch.compile traces a plain custom-op call; elsewhere at the first forward.
         self._ops = None
         self._routed_ops = None  # (fused_routing, inference: the build with this routing's renormalisation)
-        if not reference and self.w_gate.is_cuda and self.group is None:
+        self._fp8 = None  # dtype fp8: (what they were quantised from: _fp8_key(), the FP8 experts)
+        if dtype == "fp8":
+            _count_optimizer_steps()
+        if not reference and self.w_gate.is_cuda and self.group is None and dtype == "bf16":
             self._resolve()
 
     def _resolve(self):
@@ -181,11 +218,51 @@ class MoE(nn.Module):
             if p is not None:
                 p.normal_(std=1 / math.sqrt(fan_in))
 
+    def _fp8_key(self) -> tuple:
+        """What the FP8 experts were quantised from: each weight's storage, version and place,
+        and the optimizer steps taken before."""
+        return (_OPTIMIZER_STEPS[0],) + tuple((p.data_ptr(), p._version, p.device, tuple(p.shape))
+                                              for p in (self.w_gate, self.w_up, self.w_down))
+
+    def fp8_experts(self):
+        """(dtype fp8) The routed experts in FP8 (mokgen.fp8.FP8Experts), quantised from the
+        current w_gate, w_up, w_down by the generated kernels: the kept copy while those are
+        unchanged, else quantised again now."""
+        if self.spec.dtype != "fp8":
+            raise ValueError(f"fp8_experts() is for dtype='fp8' blocks; this one is {self.spec.dtype}")
+        key = self._fp8_key()
+        if self._fp8 is None or self._fp8[0] != key:
+            from .runtime import quantize_experts_fp8
+
+            self._fp8 = None  # (the old copy freed before the new one is made)
+            with torch.no_grad():
+                experts = quantize_experts_fp8(self.w_gate, self.w_up, self.w_down, self.spec.topk)
+            self._fp8 = (key, experts)
+        return self._fp8[1]
+
+    def requantize(self) -> None:
+        """(dtype fp8) Forget the FP8 copy of the experts: the next call quantises them again.
+        Needed only after an update outside any torch.optim optimizer that the weights' version
+        counters do not see (through `.data`); optimizer steps and in-place updates are seen."""
+        self._fp8 = None
+
+    def _forward_fp8(self, x2, ids, weights, shared):
+        from .runtime import moe_fp8_train
+
+        out = moe_fp8_train(x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down,
+                            experts=self.fp8_experts(), check_ids=False, recompute=self.recompute)
+        if shared is None:
+            return out
+        ws_gate, ws_up, ws_down = shared  # (in bf16 beside the FP8 experts: dense torch matmuls)
+        return out + (F.silu(x2 @ ws_gate.t()) * (x2 @ ws_up.t())) @ ws_down.t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         logits = self.router(x2.float())
-        if self.fused_routing and not self.reference and self.group is None and not torch.is_grad_enabled():
+        fp8 = self.spec.dtype == "fp8" and not self.reference
+        if self.fused_routing and not self.reference and self.group is None and not torch.is_grad_enabled() \
+                and not fp8:
             # Inference with generated routing: route, dispatch, the experts and the combine in
             # one launch where the fused launch serves the call (the same bits as route + moe).
             if self._routed_ops is None:
@@ -207,6 +284,8 @@ class MoE(nn.Module):
         shared = (self.ws_gate, self.ws_up, self.ws_down) if self.ws_gate is not None else None
         if self.group is not None:
             out = self._forward_expert_parallel(x2, ids, weights, shared)
+        elif fp8:
+            out = self._forward_fp8(x2, ids, weights, shared)
         elif self.reference:
             out = experts_torch(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared)
         else:
@@ -226,6 +305,7 @@ class MoE(nn.Module):
         s = self.spec
         ep = f"expert parallel over {s.world_size} ranks ({s.local_experts} experts here), " if self.group else ""
         return (f"hidden={s.hidden}, intermediate={s.intermediate}, experts={s.experts}, topk={s.topk}, "
-                f"shared_intermediate={s.shared_intermediate}, renormalize={s.renormalize}, {ep}"
+                f"shared_intermediate={s.shared_intermediate}, renormalize={s.renormalize}, "
+                f"{'dtype=fp8, ' if s.dtype == 'fp8' else ''}{ep}"
                 f"{'torch reference' if self.reference else 'generated kernels'}"
                 f"{', generated routing' if self.fused_routing and not self.reference else ''}")

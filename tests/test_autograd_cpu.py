@@ -99,3 +99,59 @@ def test_expert_parallel_autograd_hands_the_backward_what_the_forward_saved(save
     kept = calls["backward"][0]
     assert (kept is not None and torch.equal(kept[0], ga) and torch.equal(kept[1], gb)) if saved else kept is None
     assert torch.equal(x.grad, torch.full_like(x, 2.0)) and torch.equal(wd.grad, torch.ones_like(wd))
+
+
+def test_fp8_module_keeps_its_quantised_experts_until_the_weights_change(monkeypatch):
+    """mokgen.MoE(dtype="fp8") quantises its experts once and again only after an optimizer
+    step (any torch.optim optimizer, even one whose update the version counters miss), an
+    in-place update of w_gate, w_up or w_down, or requantize(); sizes FP8 cannot block and an
+    expert-parallel group are refused up front."""
+    import mokgen
+    import mokgen.runtime as runtime
+    from mokgen.ir import SpecError
+
+    made = []
+
+    def quantize(w_gate, w_up, w_down, topk):  # (a stand-in: the kernels need a GPU)
+        made.append((w_gate.clone(), w_up.clone(), w_down.clone()))
+        return object()
+
+    monkeypatch.setattr(runtime, "quantize_experts_fp8", quantize)
+    m = mokgen.MoE(256, 128, 8, 2, dtype="fp8")
+    assert "dtype=fp8" in repr(m) and m.spec.dtype == "fp8"
+    first = m.fp8_experts()
+    assert m.fp8_experts() is first and len(made) == 1
+    with torch.no_grad():
+        m.w_up.mul_(2)  # an in-place update, as an optimizer makes
+    second = m.fp8_experts()
+    assert second is not first and len(made) == 2 and torch.equal(made[-1][1], m.w_up.detach())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for p in (m.w_gate, m.w_up, m.w_down):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert m.fp8_experts() is not second and len(made) == 3 and torch.equal(made[-1][0], m.w_gate.detach())
+    assert m.fp8_experts() is m.fp8_experts() and len(made) == 3
+
+    class ThroughData(torch.optim.Optimizer):  # updates its parameters past their version counters
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(1.0)
+
+    versions = [p._version for p in (m.w_gate, m.w_up, m.w_down)]
+    ThroughData([m.w_down]).step()
+    assert [p._version for p in (m.w_gate, m.w_up, m.w_down)] == versions  # (the counters missed it)
+    assert m.fp8_experts() is not None and len(made) == 4 and torch.equal(made[-1][2], m.w_down.detach())
+    m.requantize()
+    m.fp8_experts()
+    assert len(made) == 5
+    with pytest.raises(SpecError, match="multiple of 128"):
+        mokgen.MoE(1088, 128, 8, 2, dtype="fp8")
+    with pytest.raises(ValueError, match="one GPU"):
+        mokgen.MoE(256, 128, 8, 2, dtype="fp8", group=object())
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        mokgen.MoE(256, 128, 8, 2).fp8_experts()

@@ -678,3 +678,56 @@ def test_a_stalled_fp8_gemm_fails_fast_instead_of_hanging(broken):
     assert "KernelTimeout:" in p.stdout and kernel in p.stdout, p.stdout + p.stderr[-2000:]
     assert "recovered True" in p.stdout, p.stdout + p.stderr[-2000:]
     assert elapsed < 60, f"took {elapsed:.0f}s to fail"
+
+
+@pytest.mark.parametrize("shared", [0, 256], ids=["routed", "shared256"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_moe_module_in_fp8_is_the_fp8_layer_over_its_bf16_weights(shared, recompute):
+    """mokgen.MoE(dtype="fp8") under autograd: its output and every gradient (x, the router,
+    the experts, the shared expert) are, bit for bit, those of route + mokgen.moe_fp8_train over
+    the same parameters (+ the shared expert in bf16), golden against the float64 reference of
+    the bf16 block within FP8_TOLERANCE; its FP8 experts are kept over micro-batches and
+    quantised again after the optimizer's step, as mokgen.fp8.quantize_experts would."""
+    import copy
+
+    import mokgen
+    from mokgen.fp8 import FP8_TOLERANCE, quantize_experts
+    from mokgen.module import route_torch
+    from mokgen.reference import moe_reference, rel_error
+
+    fp8_variant(FP8_SHAPES[0])  # (skips without a GPU or the build)
+    E, K, H, I = FP8_SHAPES[0]
+    torch.manual_seed(11 + shared)
+    m = mokgen.MoE(H, I, E, K, shared_intermediate=shared, device="cuda", dtype="fp8", recompute=recompute)
+    twin = copy.deepcopy(m)
+    T = 333
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    dout = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = m(xa)
+    out.backward(dout)
+    ids, w = route_torch(twin.router(xb.float()), K, False)
+    want = mokgen.moe_fp8_train(xb, ids, w, twin.w_gate, twin.w_up, twin.w_down)
+    if shared:
+        want = want + (torch.nn.functional.silu(xb @ twin.ws_gate.t()) * (xb @ twin.ws_up.t())) @ twin.ws_down.t()
+    want.backward(dout)
+    assert torch.equal(out.detach(), want.detach())
+    assert torch.equal(xa.grad, xb.grad)
+    for (name, p), q in zip(m.named_parameters(), twin.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    sh = (m.ws_gate, m.ws_up, m.ws_down) if shared else ()
+    ref = moe_reference(x.double(), ids, w.detach().double(), *(t.detach().double() for t in (m.w_gate, m.w_up,
+                                                                                             m.w_down, *sh)))
+    assert rel_error(out.detach(), ref) <= FP8_TOLERANCE
+    # a second micro-batch reuses the FP8 experts; the optimizer's step makes new ones
+    kept = m.fp8_experts()
+    m(x).float().sum().backward()
+    assert m.fp8_experts() is kept
+    torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True).step()
+    fresh = m.fp8_experts()
+    assert fresh is not kept
+    expect = quantize_experts(m.w_gate.detach(), m.w_up.detach(), m.w_down.detach())
+    for part in ("gate_up", "down", "gate_up_t", "down_t"):
+        a, b = getattr(fresh, part), getattr(expect, part)
+        assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8)) and torch.equal(a.scales, b.scales)

@@ -204,7 +204,8 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
 
 
-def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=None, check_ids: bool = True):
+def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=None, check_ids: bool = True,
+                  recompute: bool = False):
     """The FP8 layer over bf16 master weights, for training: the experts are quantised on each
     call by the variant's kernels (the same bits as mokgen.fp8.quantize_experts, with the
     backward's transposed copies; a NaN or Inf weight gives NaN outputs, as in bf16), the forward and
@@ -215,7 +216,11 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
     experts: these masters already quantised (mokgen.quantize_experts_fp8, or
     mokgen.fp8.quantize_experts), to quantise once per optimizer step rather than once per
     micro-batch when gradients accumulate over several; they must be the current weights'
-    (only their shapes are checked)."""
+    (only their shapes are checked).
+
+    Under autograd the forward saves the inputs and the gate/up products (the routed rows x 2I,
+    bf16), which the backward reads; recompute=True saves only the inputs, and the backward
+    recomputes the products with one more FP8 GEMM (the same bits)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_cuda:
         raise InputError(f"x must be a 2-d CUDA tensor [T, H], got "
                          f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
@@ -234,7 +239,7 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
         raise InputError(f"experts hold [E, H, I] = {list(experts.down.values.shape)}, the weights "
                          f"{[E, H, I]}: pass the experts quantised from these weights")
     if _needs_grad(x, topk_weights, w_gate, w_up, w_down):
-        return _MoEFP8Train.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, v)
+        return _MoEFP8Train.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, v, bool(recompute))
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
 
 
@@ -342,10 +347,14 @@ class _MoEFP8Train(torch.autograd.Function):
     backward (Variant.backward_fp8), the weights' in their own dtype."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, variant):
+    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, variant, recompute):
         # the training forward also returns the gate/up products, which the backward reads
-        # instead of recomputing them (a13: the routed rows x 2I in bf16)
-        out, a13 = variant.forward_fp8(x, topk_ids, topk_weights, experts, save=True)
+        # instead of recomputing them (a13: the routed rows x 2I in bf16); with recompute, the
+        # plain forward, and the backward recomputes them
+        if recompute:
+            out, a13 = variant.forward_fp8(x, topk_ids, topk_weights, experts), None
+        else:
+            out, a13 = variant.forward_fp8(x, topk_ids, topk_weights, experts, save=True)
         ctx.save_for_backward(x, topk_weights, topk_ids, a13)
         ctx.experts, ctx.variant, ctx.dtypes = experts, variant, (w_gate.dtype, w_up.dtype, w_down.dtype)
         return out
@@ -357,7 +366,7 @@ class _MoEFP8Train(torch.autograd.Function):
                                      a13=a13)
         weights = [g[k].to(dt) for k, dt in zip(("d_w_gate", "d_w_up", "d_w_down"), ctx.dtypes)]
         return (g["dx"] if ctx.needs_input_grad[0] else None, g["d_topk_weights"] if ctx.needs_input_grad[1] else None,
-                *[w if ctx.needs_input_grad[2 + i] else None for i, w in enumerate(weights)], None, None, None)
+                *[w if ctx.needs_input_grad[2 + i] else None for i, w in enumerate(weights)], None, None, None, None)
 
 
 def _needs_grad(*params) -> bool:
