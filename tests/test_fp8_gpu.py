@@ -619,7 +619,7 @@ def test_fp8_training_forward_saves_the_products_the_backward_would_recompute(sh
         assert torch.equal(saved[k], recomputed[k]), f"{k} differs from the recomputing backward's"
 
 
-# Debug builds whose waits give up after half a second: the first stage of CTA 0 in one GEMM is
+# Debug builds whose waits give up after half a second: the first stage of each CTA of one GEMM is
 # never given its TMA bytes, so its consumers wait for a load that never lands. (overrides, the
 # Variant method that runs that GEMM, the kernel the error must name)
 FP8_BROKEN_BUILDS = {

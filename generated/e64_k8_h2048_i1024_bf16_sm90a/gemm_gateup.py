@@ -109,6 +109,30 @@ def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute.Point
 
 
 @cute.jit
+def wait_stage_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute.Pointer, site: cutlass.Int32,
+                       failed: cutlass.Boolean) -> cutlass.Boolean:
+    """wait_bounded for the waits inside a K loop (a consumer's for its next stage, the
+    producer's for a free one), with less code inlined there: the stage's try_wait first,
+    whatever the thread's state, and a slow path that gives up on this thread's own bound
+    only, without polling the error code (a thread whose peer gave up waits one bound more,
+    then stops as wait_bounded's do). Measured on an H200, E256 T=8192: the FP8 forward 2.7%
+    over unbounded waits with it in the consumers' loop, 5.2% with wait_bounded there."""
+    gave_up = failed
+    done = cute.arch.mbarrier_try_wait(barrier, phase)
+    if not done:
+        if not failed:
+            start = cute.arch.globaltimer()
+            while not done:
+                done = cute.arch.mbarrier_try_wait(barrier, phase)
+                if not done:
+                    if cute.arch.globaltimer() - start > WAIT_TIMEOUT_NS:
+                        cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=ERROR_BASE + site, sem="relaxed", scope="gpu")
+                        done = True
+                        gave_up = True
+    return gave_up
+
+
+@cute.jit
 def producer_tail_bounded(ab_pipeline, state, status: cute.Pointer, failed: cutlass.Boolean):
     """Before the producer leaves, every stage it filled has been released (bounded wait)."""
     for _ in cutlass.range_constexpr(STAGES):

@@ -77,8 +77,8 @@ FP8_SCHED_STAGES = 2  # unit slots between a GEMM's scheduler and its consumers 
 # number of 2-block steps per iteration).
 FP8_GEMMS = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
 FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "cluster", "tile_n")) + (
-    # every wait's bound (ms; the bf16 layer's default), and debug builds whose GEMM's CTA 0 never
-    # gets the bytes of its first stage: its waits must give up and the call raise KernelTimeout
+    # every wait's bound (ms; the bf16 layer's default), and debug builds whose GEMM's CTAs never
+    # get the bytes of their first stage: its waits must give up and the call raise KernelTimeout
     "wait_timeout_ms", "gemm_down_fp8.debug_break", "wgrad_down_fp8.debug_break")
 # A GEMM's unit of work spans FP8_WIDE_B_TILES weight tiles side by side in N (a 128 x 256
 # tile) where N allows: A is loaded once for both, so the bytes into the SM per FLOP fall by a
