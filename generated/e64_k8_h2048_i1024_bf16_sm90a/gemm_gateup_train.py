@@ -115,8 +115,9 @@ def wait_stage_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute
     producer's for a free one), with less code inlined there: the stage's try_wait first,
     whatever the thread's state, and a slow path that gives up on this thread's own bound
     only, without polling the error code (a thread whose peer gave up waits one bound more,
-    then stops as wait_bounded's do). Measured on an H200, E256 T=8192: the FP8 forward 2.7%
-    over unbounded waits with it in the consumers' loop, 5.2% with wait_bounded there."""
+    then stops as wait_bounded's do). Measured on an H200, E256 T=8192: the FP8 forward 1.7%
+    over unbounded waits with it in both K loops, 3.4% in the consumers' alone, 5.2% with
+    wait_bounded there (docs/perf.md)."""
     gave_up = failed
     done = cute.arch.mbarrier_try_wait(barrier, phase)
     if not done:
