@@ -247,14 +247,13 @@ class MoE(nn.Module):
         self._fp8 = None
 
     def _forward_fp8(self, x2, ids, weights, shared):
+        from .reference import expert_ffn
         from .runtime import moe_fp8_train
 
         out = moe_fp8_train(x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down,
                             experts=self.fp8_experts(), check_ids=False, recompute=self.recompute)
-        if shared is None:
-            return out
-        ws_gate, ws_up, ws_down = shared  # (in bf16 beside the FP8 experts: dense torch matmuls)
-        return out + (F.silu(x2 @ ws_gate.t()) * (x2 @ ws_up.t())) @ ws_down.t()
+        # (the shared expert in bf16 beside the FP8 experts: the SwiGLU MLP as dense torch matmuls)
+        return out if shared is None else out + expert_ffn(x2, *shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -673,7 +673,7 @@ def test_moe_module_in_fp8_is_the_fp8_layer_over_its_bf16_weights(shared, recomp
     import mokgen
     from mokgen.fp8 import FP8_TOLERANCE, quantize_experts
     from mokgen.module import route_torch
-    from mokgen.reference import moe_reference, rel_error
+    from mokgen.reference import expert_ffn, moe_reference, rel_error
 
     fp8_variant(FP8_SHAPES[0])  # (skips without a GPU or the build)
     E, K, H, I = FP8_SHAPES[0]
@@ -690,7 +690,7 @@ def test_moe_module_in_fp8_is_the_fp8_layer_over_its_bf16_weights(shared, recomp
     ids, w = route_torch(twin.router(xb.float()), K, False)
     want = mokgen.moe_fp8_train(xb, ids, w, twin.w_gate, twin.w_up, twin.w_down)
     if shared:
-        want = want + (torch.nn.functional.silu(xb @ twin.ws_gate.t()) * (xb @ twin.ws_up.t())) @ twin.ws_down.t()
+        want = want + expert_ffn(xb, twin.ws_gate, twin.ws_up, twin.ws_down)
     want.backward(dout)
     assert torch.equal(out.detach(), want.detach())
     assert torch.equal(xa.grad, xb.grad)
