@@ -29,13 +29,16 @@ for i, spec in enumerate(specs + ep_specs):
 # (top-K over each node's experts, the other nodes' slots empty) and the levels beside it.
 build(MoESpec(**{**ep_specs[0].to_dict(), "nodes": 2}), default_out(), force=force, log=lambda m: None)
 # The FP8 kernels generated so far (tests/test_fp8_gpu.py).
-from test_fp8_gpu import FP8_BROKEN_BUILDS, FP8_EXPERIMENTS, FP8_SHAPES, fp8_debug_dir  # noqa: E402
+from test_fp8_gpu import FP8_BROKEN_BUILDS, FP8_EXPERIMENTS, FP8_SHAPES, ROWS_SHAPES, fp8_debug_dir  # noqa: E402
 
 for E, K, H, I in FP8_SHAPES:
     fp8 = MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8")
     build(fp8, default_out(), force=force, log=lambda m: None)
     for name, overrides in FP8_EXPERIMENTS.items():
         build(fp8, default_out() / "experiments" / name, overrides=overrides, force=force, log=lambda m: None)
+for E, K, H, I in sorted(set(ROWS_SHAPES) - set(FP8_SHAPES)):  # (the rows' quantiser's golden test)
+    build(MoESpec(experts=E, topk=K, hidden=H, intermediate=I, dtype="fp8"), default_out(), force=force,
+          log=lambda m: None)
 # FP8 debug builds with a stage that never fills (their waits must give up and report it).
 for name, (overrides, *_) in FP8_BROKEN_BUILDS.items():
     E, K, H, I = FP8_SHAPES[0]

@@ -291,7 +291,8 @@ def test_fp8_gemms_compile_to_qgmma_without_spills(tmp_path):
     promotion's accumulators in registers (no local memory); gate/up converts h to e4m3, and so
     do the quantisers of the rows, the weight gradients' operands and the weights
     (templates/quantize_*_fp8.py.j2), the blockwise ones reading their blocks by rows and
-    dividing by a scale through its reciprocal; the weight gradients store 16 bytes per thread."""
+    dividing by a scale through its reciprocal, the rows' one 16 values a lane; the weight
+    gradients store 16 bytes per thread."""
     from mokgen.codegen import build
 
     path = build(MoESpec(experts=8, topk=2, hidden=1024, intermediate=512, dtype="fp8"), tmp_path, log=lambda m: None)
@@ -316,6 +317,8 @@ def test_fp8_gemms_compile_to_qgmma_without_spills(tmp_path):
         if tool:
             sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
             assert "F2FP.SATFINITE.E4M3.F32" in sass and not any(op in sass for op in ("LDL", "STL")), name
+            if name == "quantize_rows_fp8":  # 16 values a lane: 32-byte loads of x, 16-byte stores of e4m3
+                assert "LDG.E.128" in sass and "STG.E.128" in sass, name
             if name.startswith("quantize_w") or name == "quantize_x_t_fp8":
                 # the block comes in by rows (16-byte loads) through shared memory (16-byte stores
                 # and loads: templates/fp8_block_tile.py.j2), not in the column order it goes out in

@@ -61,9 +61,13 @@ FP8_SMEM_RESERVED = 2048  # beside the stages and tiles: barriers, unit slots, a
 # flight (unrolled: each load's latency not waited for alone; 2-6% at E256 over the loop of 1;
 # 4 spills two registers of the store warps' 40)
 FP8_STORE_UNROLL = 2
-# The rows' quantiser loads up to this many 1 x 128 blocks of a token's row before it quantises
-# them (their loads in flight together): the largest of 4, 2, 1 that divides H / 128
-FP8_ROWS_BATCH = 4
+# The rows' quantiser (quantize_rows_fp8, quantize_dout_fp8) puts a 1 x 128 block on this many
+# lanes, 16 contiguous values each (a 32-byte load, a 16-byte store; with 4 values a lane, 32
+# lanes a block, its memory instructions were a quarter as wide), and a warp loads this many
+# steps of 32 / FP8_ROWS_BLOCK_LANES blocks before it quantises them (their loads in flight
+# together; a step past the row's blocks loads and stores nothing)
+FP8_ROWS_BLOCK_LANES = 8
+FP8_ROWS_BATCH = 2
 FP8_PRODUCER_REGS = 40
 FP8_CONSUMER_REGS = 232  # the sum and the block accumulator: 2 x 64 fp32 per thread at N = 128
 # A GEMM's K loop is unrolled whole up to this many K blocks per unit of work (K blocks times
@@ -286,7 +290,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         entry="main",
         params=dict(name="quantize_rows_fp8", hidden=H, topk=spec.topk, experts=E, threads=quant_threads,
                     tile_m=FP8_TILE_M, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX,
-                    batch=next(b for b in (FP8_ROWS_BATCH, 2, 1) if (H // FP8_BLOCK) % b == 0)),
+                    block_lanes=FP8_ROWS_BLOCK_LANES, batch=FP8_ROWS_BATCH),
         args=[KernelArg("x", "x", "bf16", ["T", H]),
               KernelArg("ids", "topk_ids", "i32", ["T", spec.topk]),
               KernelArg("pos", "pos", "i32", ["T", spec.topk]),
