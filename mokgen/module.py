@@ -55,7 +55,10 @@ def torch_grouped_mm(x, ids, w, w13, wd, I, shared=None):
     """The layer (DESIGN.md section 1) as a PyTorch user writes it, differentiable: tokens
     sorted by expert, torch._grouped_mm for gate/up (w13 = [w_gate; w_up] per expert) and
     down, SwiGLU, a weighted index_add combine. shared: (ws13 = [ws_gate; ws_up], ws_down)
-    when the layer has a shared expert. The benchmarks' baseline."""
+    when the layer has a shared expert. The benchmarks' baseline. Empty slots (-1) give the
+    exact forward, but their rows lie past the last group, which torch._grouped_mm leaves
+    unwritten, and its autograd reads them: differentiate it only over routings without empty
+    slots (mokgen.verify.torch_backward makes them weight-0 pairs of expert 0)."""
     T, _ = x.shape
     E, K = wd.shape[0], ids.shape[1]
     flat = ids.reshape(-1).long()

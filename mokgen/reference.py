@@ -75,8 +75,10 @@ def moe_reference_backward(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down
                   zip(["ws_gate", "ws_up", "ws_down"], (ws_gate, ws_up, ws_down))}
     out = moe_reference(leaves["x"], topk_ids, leaves["topk_weights"], leaves["w_gate"], leaves["w_up"],
                         leaves["w_down"], shared.get("ws_gate"), shared.get("ws_up"), shared.get("ws_down"))
-    out.backward(dout.double())
-    return {f"d_{n}" if n != "x" else "dx": t.grad for n, t in {**leaves, **shared}.items()}
+    if out.requires_grad:  # (a call whose every slot is empty and no shared expert: out is 0, no graph)
+        out.backward(dout.double())
+    return {f"d_{n}" if n != "x" else "dx": t.grad if t.grad is not None else torch.zeros_like(t)
+            for n, t in {**leaves, **shared}.items()}
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

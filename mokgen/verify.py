@@ -216,5 +216,10 @@ def torch_backward(inputs, dout) -> dict:
     x, ids, w, wg, wu, wd, shared = inputs
     params = (x, w, wg, wu, wd) + (shared if shared[0] is not None else ())
     leaves = [t.detach().clone().requires_grad_(True) for t in params]
-    experts_torch(leaves[0], ids, *leaves[1:5], shared=leaves[5:] or None).backward(dout)
+    # An empty slot (-1) becomes expert 0 at weight 0: it adds nothing and gets no gradient. (Left
+    # empty, its row sits past torch._grouped_mm's last group, unwritten, and that memory's
+    # values reach dx through the SwiGLU's backward: a token with every slot empty got dx ~1e13.)
+    empty = ids < 0
+    weights = torch.where(empty, 0.0, leaves[1])
+    experts_torch(leaves[0], torch.where(empty, 0, ids), weights, *leaves[2:5], shared=leaves[5:] or None).backward(dout)
     return dict(zip(GRADIENTS + SHARED_GRADIENTS, (t.grad for t in leaves)))

@@ -51,6 +51,14 @@ def test_backward_reference_d_topk_weights_is_dot_with_y():
     assert torch.allclose(g["d_topk_weights"][t, k], (dout[t] * y[0]).sum())
 
 
+def test_backward_reference_of_a_call_with_every_slot_empty():
+    # (mokgen verify --routing dropped at T=1 empties the only token's slots: the reference has
+    # no graph then, and every gradient is zero)
+    x, ids, w, wg, wu, wd, _ = small(T=1)
+    g = moe_reference_backward(torch.randn(x.shape, dtype=torch.float64), x, torch.full_like(ids, -1), w, wg, wu, wd)
+    assert all(not t.any() for t in g.values()) and g["d_w_down"].shape == wd.shape
+
+
 def test_rel_error_never_passes_nan():
     ref = torch.ones(4)
     assert rel_error(torch.tensor([1.0, float("nan"), 1.0, 1.0]), ref) == float("inf")
