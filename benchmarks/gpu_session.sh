@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
-# Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [exp NAME VARIANT T,T,..] [profile VARIANT T]
+# Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [anchor] [exp NAME VARIANT T,T,..] [profile VARIANT T]
 #   train: forward+backward bench (E64 at T=4096,16384) and the training demo's loss curves (bf16, then FP8)
+#   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
+#           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
@@ -18,6 +20,8 @@ while [ $# -gt 0 ]; do
       $B --backward --tokens 4096,16384 --json "$OUT/train-e64.json" 2>&1 | tail -8 | tee "$OUT/train.log"
       timeout 240 python3 benchmarks/train_demo.py --steps 300 --out "$OUT/train" 2>&1 | tail -16 | tee -a "$OUT/train.log"
       timeout 240 python3 benchmarks/train_demo.py --dtype fp8 --steps 300 --out "$OUT/train-fp8" 2>&1 | tail -3 | tee -a "$OUT/train.log"
+      shift ;;
+    anchor) timeout 400 python3 benchmarks/anchor_compare.py --json "$OUT/anchor.json" 2>&1 | tee "$OUT/anchor.log" | tail -16
       shift ;;
     exp) timeout 200 python3 benchmarks/compare_experiment.py "$2" --variant "$3" --tokens "$4" \
            --json "$OUT/exp-$2-$3.json" 2>&1 | tee -a "$OUT/bench.log"; shift 4 ;;
