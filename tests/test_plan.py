@@ -7,7 +7,7 @@ import sympy
 
 from mokgen.ir import PRESETS, MoESpec, forward_graph
 from mokgen.schedule import H200, Plan, PlanError, choose_gemm_tiling, make_plan
-from mokgen.schedule.plan import check_plan
+from mokgen.schedule.plan import SMALL_ROW_TILE, check_plan
 
 SPECS = list(PRESETS.values()) + [MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
                                   MoESpec(experts=1, topk=1, hidden=64, intermediate=64)]
@@ -34,7 +34,8 @@ def test_plan_invariants(spec):
             accs = 2 if prm["epilogue"] == "swiglu" else 1
             # accumulator registers per thread stay within the 128-register budget
             assert prm["tile_m"] * prm["tile_n"] * accs // (128 * prm["mma_warpgroups"]) <= 128
-            assert prm["tile_m"] == p.row_tile
+            # (the small calls' single launch lays its rows out in its own, smaller tile)
+            assert prm["tile_m"] == (SMALL_ROW_TILE if k.name.startswith("gemm_fused_small") else p.row_tile)
     for entry, steps in p.steps.items():
         assert all(any(k.name == s for k in p.kernels) for s in steps)
     assert p.steps["forward"][-1] == "combine"
@@ -366,8 +367,11 @@ def test_tune_survives_failing_candidates(tmp_path):
 def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     p = make_plan(spec)
     # (the fused launch's routing twin shares its slot: one of the two runs per call)
-    gemms = [k for k in p.kernels if k.template == "grouped_gemm_persistent.py.j2" and k.name != "gemm_fused_routed"]
-    assert p.kernel("gemm_fused_routed").params["sched_slot"] == p.kernel("gemm_fused").params["sched_slot"]
+    twins = ("gemm_fused_routed", "gemm_fused_small", "gemm_fused_small_routed")
+    gemms = [k for k in p.kernels if k.template == "grouped_gemm_persistent.py.j2" and k.name not in twins]
+    for twin in twins:
+        if twin in {k.name for k in p.kernels}:
+            assert p.kernel(twin).params["sched_slot"] == p.kernel("gemm_fused").params["sched_slot"]
     slots = [k.params["sched_slot"] for k in gemms]
     counters = next(b for b in p.buffers if b.name == "tile_counters")
     # One counter per GEMM (both forward paths' GEMMs), the fused launch's used-M-tile and
@@ -378,14 +382,15 @@ def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     assert {k.params["status_slot"] for k in gemms} == {int(counters.shape[0]) - 1}
     assert p.fused_max_tokens > 0
     assert set(p.steps) == {"forward", "forward_fused", "forward_routed", "route", "route_backward"} | (
-        {"forward_train", "backward", "backward_recompute"})
+        {"forward_train", "backward", "backward_recompute"}) | (
+        {"forward_small", "forward_routed_small"} if not spec.shared_intermediate else set())
     for entry, forward in p.steps.items():
         if entry.startswith("route"):
             continue
         if "tile_counters" in p.zeroed.get(entry, ()):  # zeroed by the runtime before the entry's kernels
             assert "dispatch_count" not in forward
             continue
-        if forward in (["gemm_fused"], ["gemm_fused_routed"]):  # it dispatches too: its CTA 0 zeroes them first
+        if forward[0] in ("gemm_fused",) + twins and len(forward) == 1:  # it dispatches too: its CTA 0 zeroes them first
             assert p.kernel(forward[0]).params["dispatch"]
             continue
         zeroing = [s for s in forward if any(a.tensor == "tile_counters" for a in p.kernel(s).args)

@@ -81,10 +81,19 @@ def test_calls_from_router_logits_take_the_one_launch_where_the_fused_launch_ser
     from mokgen.runtime.variant import forward_entry, routes_in_launch
     from mokgen.schedule import make_plan
 
+    from mokgen.runtime.variant import routed_entry
+
     plan = make_plan(PRESETS["olmoe"]).to_dict()
-    bound = plan["fused_max_tokens"]
-    assert [routes_in_launch(plan, t) for t in (0, 1, bound, bound + 1)] == [False, True, True, False]
-    assert forward_entry(plan, bound) == "forward_fused" and forward_entry(plan, bound + 1) == "forward"
+    bound, small = plan["fused_max_tokens"], plan["small_max_tokens"]
+    assert 0 < small < bound
+    assert [routes_in_launch(plan, t) for t in (0, 1, small, small + 1, bound, bound + 1)] == \
+        [False, True, True, True, True, False]
+    assert [forward_entry(plan, t) for t in (1, small, small + 1, bound, bound + 1)] == \
+        ["forward_small"] * 2 + ["forward_fused"] * 2 + ["forward"]
+    # the small calls' launch has its routing twin too
+    assert [routed_entry(plan, t) for t in (small, small + 1)] == ["forward_routed_small", "forward_routed"]
+    no_small = make_plan(PRESETS["olmoe"], overrides={"fused_small": False}).to_dict()
+    assert no_small["small_max_tokens"] == 0 and forward_entry(no_small, 1) == "forward_fused"
     fused_only = make_plan(PRESETS["olmoe"], overrides={"fuse_gemms": True}).to_dict()
     assert routes_in_launch(fused_only, 100000)  # its one forward path is the fused launch
     for no_launch in ({"fuse_gemms": False}, {"dispatch_in_launch": False}):

@@ -80,8 +80,11 @@ def status_error(variant: str, experts: int, gemm_by_slot: dict, code: int, time
 
 
 def forward_entry(plan: dict, tokens: int) -> str:
-    """The Plan's forward path for this many tokens: the fused launch up to
-    plan["fused_max_tokens"] where the Plan has both, else the one it has."""
+    """The Plan's forward path for this many tokens: the small calls' single launch up to
+    plan["small_max_tokens"], the fused launch up to plan["fused_max_tokens"] where the Plan
+    has them, else the per-GEMM path."""
+    if "forward_small" in plan["steps"] and tokens <= plan.get("small_max_tokens", 0):
+        return "forward_small"
     if "forward_fused" in plan["steps"] and tokens <= plan.get("fused_max_tokens", 0):
         return "forward_fused"
     return "forward"
@@ -89,10 +92,16 @@ def forward_entry(plan: dict, tokens: int) -> str:
 
 def routes_in_launch(plan: dict, tokens: int) -> bool:
     """Whether a call from router logits runs the one launch that routes too: the Plan has it
-    (the single-GPU fused launch that dispatches) and the fused launch serves this T."""
+    (the single-GPU fused launch that dispatches) and the fused launch, or the small calls'
+    launch, serves this T."""
     if "forward_routed" not in plan["steps"] or tokens == 0:
         return False
-    return "forward_fused" not in plan["steps"] or forward_entry(plan, tokens) == "forward_fused"
+    return "forward_fused" not in plan["steps"] or forward_entry(plan, tokens) in ("forward_fused", "forward_small")
+
+
+def routed_entry(plan: dict, tokens: int) -> str:
+    """The entry point that routes inside its launch for this T (where routes_in_launch)."""
+    return "forward_routed_small" if forward_entry(plan, tokens) == "forward_small" else "forward_routed"
 
 
 def call_buffer_fns(plan: dict) -> list:
@@ -557,7 +566,7 @@ class Variant:
         out = torch.empty_like(x)
         ids = torch.empty(tokens, K, dtype=torch.int32, device=x.device)
         weights = torch.empty(tokens, K, dtype=torch.float32, device=x.device)
-        self._run_forward("forward_routed", x, dict(logits=logits, topk_ids=ids, topk_weights=weights),
+        self._run_forward(routed_entry(self.plan, tokens), x, dict(logits=logits, topk_ids=ids, topk_weights=weights),
                           w_gate, w_up, w_down, ws_gate, ws_up, ws_down, out)
         return out, ids, weights
 

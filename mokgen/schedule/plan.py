@@ -111,6 +111,9 @@ class Plan:
     # Calls with at most this many tokens run steps["forward_fused"] (one GEMM launch) instead
     # of steps["forward"]; 0: the Plan has one forward path.
     fused_max_tokens: int = 0
+    # Calls with at most this many tokens run steps["forward_small"] instead (the single launch
+    # with SMALL_ROW_TILE-row M tiles); 0: the Plan has no such launch.
+    small_max_tokens: int = 0
     # Buffers the runtime zeroes before an entry point's kernels, where none of them does
     # (entry -> names; dispatch_count zeroes tile_counters in the entries that dispatch).
     zeroed: dict = field(default_factory=dict)
@@ -392,15 +395,19 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                          "compaction keeps (token, slot) order, so positions are deterministic")
 
     def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc, gather_a=False,
-             routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn="", copy_rows=None):
+             routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn="", copy_rows=None,
+             rows_tile=None):
         """One grouped GEMM. The backward's modes (templates/grouped_gemm_persistent.py.j2):
         epilogue "pair" (c = (c0, c1), both products stored), b_major "mn" (B stored
         [groups, K, N]), split_k (a = (a0, a1) and b = (b0, b1) along K), wgrad_m (weight
         gradients [groups, wgrad_m, n] contracted over each group's rows; k is unused; gather_mn
         "a" or "b": that operand's rows gathered from token rows through row_token; copy_rows
         (source, destination, counter slot): the kernel's idle warps also copy the source's token
-        rows into the destination in dispatch order, see COPY_CLAIM_ROWS)."""
-        tile_m = WGRAD_TILE_M if wgrad_m else row_tile  # a weight-gradient tile runs over H or I, not rows
+        rows into the destination in dispatch order, see COPY_CLAIM_ROWS); rows_tile: the M tile of a
+        routed GEMM whose launch lays its rows out itself (the small calls' single launch), else
+        row_tile."""
+        rows_tile = rows_tile or row_tile
+        tile_m = WGRAD_TILE_M if wgrad_m else rows_tile  # a weight-gradient tile runs over H or I, not rows
         tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a or bool(gather_mn) or bool(copy_rows),
                                 (overrides or {}).get(f"{name}.tile_n"), (overrides or {}).get(f"{name}.epi_stages"))
         cs = c if isinstance(c, tuple) else (c,)
@@ -455,7 +462,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                       status_slot=status_slot,
                       gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns, status_poll_ns=STATUS_POLL_NS,
                       b_major=b_major, split_k=split_k, wgrad=bool(wgrad_m), m_size=wgrad_m, gather_mn=gather_mn,
-                      row_align=row_tile * cluster_m,
+                      row_align=rows_tile * cluster_m,
                       **(dict(copy_rows=True, copy_slot=copy_rows[2], copy_cols=H, copy_claim_rows=COPY_CLAIM_ROWS,
                               copy_batch_producer=COPY_BATCH_PRODUCER, copy_batch_consumer=COPY_BATCH_CONSUMER)
                          if copy_rows else {}),
@@ -531,6 +538,37 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                 "gemm_fused_routed: the same launch, routing first (router logits -> softmax -> top-k, the route "
                 "kernel's code and bits, one token per warp; a third counter says when every CTA has routed): "
                 "mokgen.moe_routed runs it for calls the fused launch serves")
+        small_max, why_small = small_launch(spec, row_tile, in_launch and paths == "by_tokens", overrides or {})
+        if small_max:
+            gateup_s = gemm("gemm_fused_small", "gemm", "x", ("w_gate", "w_up"), "h", I, H, "swiglu", "tile_expert",
+                            "M", "MT", E, "", gather_a=True, rows_tile=SMALL_ROW_TILE)
+            decisions.pop()  # (its tiling is stated with the launch below)
+            small = fused_gemm(gateup_s, H, I, E, used_slot, target, 0, 0, gemm_names.index("gemm_fused"), done_slot,
+                               K)
+            small.name = small.module = "gemm_fused_small"
+            small.params.update(name=small.name, class_name="GemmFusedSmall", wave_lag=0,
+                                doc="Routed gate/up (SwiGLU) and down projections in one launch, "
+                                    f"{SMALL_ROW_TILE}-row M tiles (small calls).")
+            for a in small.args:  # its tile table and gate/up counts are its own: more, smaller M tiles
+                a.tensor = {"tile_expert": "tile_expert_s", "h_ready": "h_ready_s"}.get(a.tensor, a.tensor)
+            m_tiles_s = sympy.ceiling(T * K / SMALL_ROW_TILE) + E
+            buffers += [Buffer("tile_expert_s", "i32", [_expr(m_tiles_s)]),
+                        Buffer("h_ready_s", "i32", [_expr(m_tiles_s)])]
+            dispatch_in_launch(small, dict(dparams, tile_m=SMALL_ROW_TILE), overrides or {}, [])  # (launch_sync shared)
+            kernels.append(small)
+            steps["forward_small"] = ["gemm_fused_small"]
+            small_routed = routed_launch(small, spec)
+            small_routed.name = small_routed.module = "gemm_fused_small_routed"
+            small_routed.params.update(name=small_routed.name, class_name="GemmFusedSmallRouted")
+            kernels.append(small_routed)
+            steps["forward_routed_small"] = ["gemm_fused_small_routed"]
+            sp = small.params
+            decisions.append(
+                f"gemm_fused_small (and gemm_fused_small_routed, its routing twin): {why_small}; the same launch "
+                "(it dispatches, runs every gate/up and down tile and "
+                f"combines: the same bits) with {sp['tile_m']}x{sp['tile_n']}x{sp['tile_k']} tiles, {sp['stages']} "
+                f"stages, 1 producer + {sp['mma_warpgroups']} MMA warpgroup(s): an expert's few rows fill more of a "
+                "tile, and one stage more of weights is in flight per SM")
         decisions.append(
             f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
             f"tiles, then all down tiles); a down tile waits until h_ready[m] counts the "
@@ -568,7 +606,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         dict(experts=d_experts, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
         cargs, grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
     for entry in steps:  # the fused launch may combine itself
-        if not (fused_combine and {"gemm_fused", "gemm_fused_routed"} & set(steps[entry])):
+        if not (fused_combine and {"gemm_fused", "gemm_fused_routed", "gemm_fused_small", "gemm_fused_small_routed"}
+                & set(steps[entry])):
             steps[entry].append("combine")
     if fused_combine:
         decisions.append(
@@ -676,6 +715,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         overrides=dict(overrides or {}),
         task_graph=task_graph,
         fused_max_tokens=(EP_FUSED_MAX_TOKENS if ep else FUSED_MAX_TOKENS) if paths == "by_tokens" else 0,
+        small_max_tokens=small_max if fuse and not ep else 0,
         zeroed={"backward": ["tile_counters"]} if backward else {},
         side_stream=side_stream,
     )
@@ -687,6 +727,30 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 # (docs/perf.md, "The shared expert inside the fused launch"): the fused launch is 1.0-1.5x
 # the multi-kernel path up to T=1024 and 0.96-1.0x from T=4096 on the bench layers.
 FUSED_MAX_TOKENS = 2048
+# Small calls: the single launch with 64-row M tiles (one MMA warpgroup) while an expert gets
+# few rows. Measured on an H200 against the same launch with 128-row tiles (docs/perf.md, "The
+# small calls' single launch"), the same bits: E64 K8 H2048 I1024 1.16x at 8-32 rows per expert
+# (T = 64-256), 0.99x at 64 (T=512), 0.86x at 128; E128 K8 H2048 I768 1.15-1.16x at 4-16 rows,
+# 0.94x at 64; E256 K8 H7168 I2048 1.02-1.03x at 2-8 rows. So up to SMALL_ROWS_PER_EXPERT rows
+# per expert on average.
+SMALL_ROW_TILE = 64
+SMALL_ROWS_PER_EXPERT = 48
+
+
+def small_launch(spec: MoESpec, row_tile: int, in_launch: bool, overrides: dict) -> tuple[int, str]:
+    """(the largest T the small calls' single launch serves, why; 0 where the Plan has none). One
+    GPU, beside the fused launch that dispatches itself and the per-GEMM path (not where
+    fuse_gemms forces one path), where the routed GEMMs' row tile is larger; not with a shared expert (its tiles would take the small tile too: not measured),
+    nor in the experiment that reorders the fused launch's tiles. Override fused_small: false
+    leaves it out."""
+    if spec.world_size > 1 or not in_launch or row_tile <= SMALL_ROW_TILE or spec.shared_intermediate \
+            or "gemm_fused.wave_lag" in overrides or overrides.get("fused_small") is False:
+        return 0, ""
+    t = min(FUSED_MAX_TOKENS, SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk)
+    return t, (f"calls with T <= {t} (up to {SMALL_ROWS_PER_EXPERT} rows per expert on average) run the single "
+               f"launch with {SMALL_ROW_TILE}-row M tiles (measured crossover, docs/perf.md)")
+
+
 # Expert parallel: tokens per rank up to which a call runs the single launch (send, GEMMs and
 # return in one kernel). Measured on 2 H200s (E64 K8 H2048 I1024, docs/perf.md, "Expert
 # parallelism: send, both GEMMs and the return in one launch"), from a CUDA graph: 1.04-1.05x
@@ -876,7 +940,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
-                           r"|ep_fused_combine|dispatch_in_launch|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
+                           r"|ep_fused_combine|dispatch_in_launch|fused_small|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
 
 
@@ -888,7 +952,8 @@ def check_overrides(overrides: dict) -> None:
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
         if key in ("debug_unchecked", "debug_break_dependency", "debug_break_dispatch", "profile", "fuse_gemms", "dispatch_chunked",
-                   "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch"):
+                   "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch",
+                   "fused_small"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
