@@ -104,6 +104,10 @@ def format_task_graph(plan: dict, tokens=(64, 256, 1024, 4096, 16384)) -> str:
         if any(k["name"] == "gemm_fused_routed" for k in plan["kernels"]):
             status = (f"generated: for {when}, gemm_fused runs the {tasks} tasks in one launch, and "
                       "gemm_fused_routed (mokgen.moe_routed) the route tasks first")
+            small = next((k for k in plan["kernels"] if k["name"] == "gemm_fused_small"), None)
+            if small is not None:
+                status += (f"; calls with T <= {plan['small_max_tokens']} run the same tasks in gemm_fused_small "
+                           f"(and gemm_fused_small_routed), {small['params']['tile_m']}-row M tiles")
         elif p.get("ep_return"):
             tasks += " (each down tile returning its rows)"
             after = "" if p.get("combine") else "; the wait for the returned rows and the combine follow it"

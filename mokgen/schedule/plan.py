@@ -466,7 +466,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                       **(dict(copy_rows=True, copy_slot=copy_rows[2], copy_cols=H, copy_claim_rows=COPY_CLAIM_ROWS,
                               copy_batch_producer=COPY_BATCH_PRODUCER, copy_batch_consumer=COPY_BATCH_CONSUMER)
                          if copy_rows else {}),
-                      class_name="".join(p.capitalize() for p in name.split("_")), name=name, doc=doc)
+                      class_name=class_name(name), name=name, doc=doc)
         smem = params.pop("smem_bytes")
         decisions.append(
             f"{name}: persistent over min({tl['sms']} SMs, tiles), tile {tl['tile_m']}x{tl['tile_n']}x{tl['tile_k']}, "
@@ -544,11 +544,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                             "M", "MT", E, "", gather_a=True, rows_tile=SMALL_ROW_TILE)
             decisions.pop()  # (its tiling is stated with the launch below)
             small = fused_gemm(gateup_s, H, I, E, used_slot, target, 0, 0, gemm_names.index("gemm_fused"), done_slot,
-                               K)
-            small.name = small.module = "gemm_fused_small"
-            small.params.update(name=small.name, class_name="GemmFusedSmall", wave_lag=0,
-                                doc="Routed gate/up (SwiGLU) and down projections in one launch, "
-                                    f"{SMALL_ROW_TILE}-row M tiles (small calls).")
+                               K, name="gemm_fused_small")
+            small.params.update(wave_lag=0, doc="Routed gate/up (SwiGLU) and down projections in one launch, "
+                                                f"{SMALL_ROW_TILE}-row M tiles (small calls).")
             for a in small.args:  # its tile table and gate/up counts are its own: more, smaller M tiles
                 a.tensor = {"tile_expert": "tile_expert_s", "h_ready": "h_ready_s"}.get(a.tensor, a.tensor)
             m_tiles_s = sympy.ceiling(T * K / SMALL_ROW_TILE) + E
@@ -557,10 +555,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             dispatch_in_launch(small, dict(dparams, tile_m=SMALL_ROW_TILE), overrides or {}, [])  # (launch_sync shared)
             kernels.append(small)
             steps["forward_small"] = ["gemm_fused_small"]
-            small_routed = routed_launch(small, spec)
-            small_routed.name = small_routed.module = "gemm_fused_small_routed"
-            small_routed.params.update(name=small_routed.name, class_name="GemmFusedSmallRouted")
-            kernels.append(small_routed)
+            kernels.append(routed_launch(small, spec))
             steps["forward_routed_small"] = ["gemm_fused_small_routed"]
             sp = small.params
             decisions.append(
@@ -828,6 +823,11 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
     ]
 
 
+def class_name(kernel: str) -> str:
+    """The generated class of a kernel: gemm_fused_small -> GemmFusedSmall."""
+    return "".join(p.capitalize() for p in kernel.split("_"))
+
+
 def fused_misfit(H: int, I: int, S: int, tile_n: int) -> str | None:
     """Why the fused launch cannot run this layer with gate/up tiles tile_n wide (None: it can):
     every tile kind shares that tile, a down tile being two of them side by side."""
@@ -839,7 +839,7 @@ def fused_misfit(H: int, I: int, S: int, tile_n: int) -> str | None:
 
 def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target, S: int = 0,
                shared_slot: int = 0, sched_slot: int = 0, done_slot: int | None = None, K: int = 0,
-               debug_break_dependency: bool = False) -> KernelPlan:
+               debug_break_dependency: bool = False, name: str = "gemm_fused") -> KernelPlan:
     """gate/up and down as one persistent kernel, plus the shared expert's two GEMMs when
     the spec has one. A down tile (TILE_M x 2*tile_n) is two tile_n-wide halves, so all tile
     kinds share the gate/up kernel's MMA shape (two B operands, two accumulators), its
@@ -848,7 +848,7 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
     unfit = fused_misfit(H, I, S, p["tile_n"])
     if unfit:
         raise PlanError(f"fuse_gemms: {unfit}")
-    params = dict(p, fused=True, name="gemm_fused", class_name="GemmFused", n2_size=H, k2_size=I,
+    params = dict(p, fused=True, name=name, class_name=class_name(name), n2_size=H, k2_size=I,
                   n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot, s_size=S, shared_slot=shared_slot,
                   sched_slot=sched_slot, combine=done_slot is not None, done_slot=done_slot or 0, topk=K,
                   debug_break_dependency=debug_break_dependency,
@@ -869,7 +869,7 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
     if done_slot is not None:  # the combine's inputs and output
         args += [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("weights", "topk_weights", "f32", ["T", K]),
                  KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("out", "out", "bf16", ["T", H])]
-    return KernelPlan("gemm_fused", "gemm", "gemm_fused", "grouped_gemm_persistent.py.j2", "main", params, args,
+    return KernelPlan(name, "gemm", name, "grouped_gemm_persistent.py.j2", "main", params, args,
                       grid=f"(min({p['sms']}, {tiles}),)", block=p["threads"],
                       warp_roles=gateup.warp_roles + ["a down tile's TMA producer first waits on h_ready[m]"],
                       smem_bytes=gateup.smem_bytes)
@@ -905,11 +905,12 @@ def dispatch_phase(fused: KernelPlan, dparams: dict, buffers: list, fused_tables
 
 
 def routed_launch(fused: KernelPlan, spec: MoESpec) -> KernelPlan:
-    """gemm_fused that routes first: router logits in, topk_ids and topk_weights out (they
-    are its arguments as before; the route phase writes them)."""
+    """A single launch (gemm_fused, gemm_fused_small) that routes first: <name>_routed, router
+    logits in, topk_ids and topk_weights out (they are its arguments as before; the route phase
+    writes them)."""
     k = copy.deepcopy(fused)
-    k.name = k.module = "gemm_fused_routed"
-    k.params.update(name=k.name, class_name="GemmFusedRouted", doc=k.params["doc"][:-1] + ", routing first.",
+    k.name = k.module = f"{fused.name}_routed"
+    k.params.update(name=k.name, class_name=class_name(k.name), doc=k.params["doc"][:-1] + ", routing first.",
                     route=dict(experts=spec.experts, topk=spec.topk, renormalize=spec.renormalize))
     k.args.append(KernelArg("logits", "logits", "f32", ["T", spec.experts]))
     k.warp_roles = ["all warps first: route one token per warp, then count and place"] + k.warp_roles
