@@ -941,7 +941,8 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
-                           r"|ep_fused_combine|dispatch_in_launch|fused_small|(gemm_gateup|gemm_down|shared_gateup|shared_down)\.(tile_n|raster|epi_stages)"
+                           r"|ep_fused_combine|dispatch_in_launch|fused_small"
+                           r"|(gemm_gateup|gemm_down|shared_gateup|shared_down|gemm_fused_small)\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
 
 
