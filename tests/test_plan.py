@@ -498,3 +498,38 @@ def test_cluster_plan_pairs_an_experts_m_tiles():
         make_plan(PRESETS["olmoe"], overrides={"cluster_m": 2, "fuse_gemms": True})
     with pytest.raises(PlanError):
         make_plan(PRESETS["olmoe"], overrides={"cluster_m": 3})
+
+
+def test_small_calls_run_the_single_launch_with_64_row_tiles():
+    """Up to SMALL_ROWS_PER_EXPERT rows per expert the single launch runs with 64-row M tiles:
+    the kernel the row_tile 64 build has, under its own name and with its own tile table."""
+    from mokgen.schedule.plan import SMALL_ROWS_PER_EXPERT
+
+    spec = PRESETS["olmoe"]
+    p = make_plan(spec)
+    assert p.small_max_tokens == SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk == 384
+    assert p.steps["forward_small"] == ["gemm_fused_small"]
+    assert p.steps["forward_routed_small"] == ["gemm_fused_small_routed"]
+    small, rt64 = p.kernel("gemm_fused_small").params, make_plan(spec, overrides={"row_tile": 64}).kernel("gemm_fused")
+    assert small["tile_m"] == SMALL_ROW_TILE == small["row_align"] == small["dispatch"]["tile_m"]
+    assert {k: v for k, v in small.items() if k not in ("name", "class_name", "doc")} == \
+        {k: v for k, v in rt64.params.items() if k not in ("name", "class_name", "doc")}
+    tables = {a.name: a.tensor for a in p.kernel("gemm_fused_small").args}
+    assert tables["tile_expert"] == "tile_expert_s" and tables["h_ready"] == "h_ready_s"
+    sizes = {b.name: b.shape for b in p.buffers}
+    assert sizes["tile_expert_s"] == sizes["h_ready_s"] == ["ceiling(T/8) + 64"]
+    assert p.kernel("gemm_fused_small_routed").params["route"]["experts"] == spec.experts
+    # Where it is left out: a shared expert, several GPUs, one forced path, dispatch kernels
+    # before the launch, the wavefront experiment, a 64-row build, the override.
+    for s, ov in [(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768), {}),
+                  (MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2, topology="nvlink"), {}),
+                  (spec, {"fuse_gemms": True}), (spec, {"fuse_gemms": False}), (spec, {"dispatch_in_launch": False}),
+                  (spec, {"gemm_fused.wave_lag": 33}), (spec, {"row_tile": 64}), (spec, {"fused_small": False})]:
+        q = make_plan(s, overrides=ov)
+        assert q.small_max_tokens == 0 and "forward_small" not in q.steps, (s.variant, ov)
+        assert not any(k.name.startswith("gemm_fused_small") for k in q.kernels)
+    assert make_plan(spec, overrides={"gemm_fused_small.tile_n": 64}).kernel("gemm_fused_small").params["stages"] == 8
+    with pytest.raises(PlanError):
+        make_plan(spec, overrides={"gemm_fused_small.tile_n": 256})  # (past the accumulator budget)
+    with pytest.raises(PlanError, match="true or false"):
+        make_plan(spec, overrides={"fused_small": 0})
