@@ -76,6 +76,11 @@ build(ep_specs[0], default_out() / "experiments" / "ep_fused_combine", overrides
 for shape in (SHAPES[0], SHAPES[3]):
     build(spec_of(shape), default_out() / "experiments" / "wave", overrides=WAVE_OVERRIDES, force=force,
           log=lambda m: None)
+# Without the small calls' launch (the 128-row single launch down to T = 1): compare_experiment.py nosmall
+# times the default build's small calls against it.
+for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[3])] + specs[-1:]:
+    build(spec, default_out() / "experiments" / "nosmall", overrides={"fused_small": False}, force=force,
+          log=lambda m: None)
 print(f"[{len(specs) + len(ep_specs) + 1}/{len(specs) + len(ep_specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)
 for name, (overrides, *_) in BROKEN_BUILDS.items():
     build(spec_of(SHAPES[0]), deadlock_dir(name), overrides=overrides, force=force, log=lambda m: None)
