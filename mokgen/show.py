@@ -36,7 +36,8 @@ def format_plan(plan: dict) -> str:
     if plan.get("side_stream"):
         out.append("          on a second stream, beside the kernels after them: " + ", ".join(plan["side_stream"]))
     if "forward_small" in plan["steps"]:
-        out.append(f"          calls with T <= {plan['small_max_tokens']}: " + " -> ".join(plan["steps"]["forward_small"])
+        out.append(f"          calls with T <= {plan['small_max_tokens']}: "
+                   + " -> ".join(plan["steps"]["forward_small"])
                    + (" (from router logits: " + " -> ".join(plan["steps"]["forward_routed_small"]) + ")"
                       if "forward_routed_small" in plan["steps"] else ""))
     if "forward_fused" in plan["steps"]:

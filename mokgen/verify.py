@@ -221,5 +221,6 @@ def torch_backward(inputs, dout) -> dict:
     # values reach dx through the SwiGLU's backward: a token with every slot empty got dx ~1e13.)
     empty = ids < 0
     weights = torch.where(empty, 0.0, leaves[1])
-    experts_torch(leaves[0], torch.where(empty, 0, ids), weights, *leaves[2:5], shared=leaves[5:] or None).backward(dout)
+    out = experts_torch(leaves[0], torch.where(empty, 0, ids), weights, *leaves[2:5], shared=leaves[5:] or None)
+    out.backward(dout)
     return dict(zip(GRADIENTS + SHARED_GRADIENTS, (t.grad for t in leaves)))

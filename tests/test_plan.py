@@ -390,7 +390,7 @@ def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
         if "tile_counters" in p.zeroed.get(entry, ()):  # zeroed by the runtime before the entry's kernels
             assert "dispatch_count" not in forward
             continue
-        if forward[0] in ("gemm_fused",) + twins and len(forward) == 1:  # it dispatches too: its CTA 0 zeroes them first
+        if len(forward) == 1 and forward[0] in ("gemm_fused",) + twins:  # it dispatches: its CTA 0 zeroes them first
             assert p.kernel(forward[0]).params["dispatch"]
             continue
         zeroing = [s for s in forward if any(a.tensor == "tile_counters" for a in p.kernel(s).args)

@@ -724,10 +724,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 FUSED_MAX_TOKENS = 2048
 # Small calls: the single launch with 64-row M tiles (one MMA warpgroup) while an expert gets
 # few rows. Measured on an H200 against the same launch with 128-row tiles (docs/perf.md, "The
-# small calls' single launch"), the same bits: E64 K8 H2048 I1024 1.16x at 8-32 rows per expert
-# (T = 64-256), 0.99x at 64 (T=512), 0.86x at 128; E128 K8 H2048 I768 1.15-1.16x at 4-16 rows,
-# 0.94x at 64; E256 K8 H7168 I2048 1.02-1.03x at 2-8 rows. So up to SMALL_ROWS_PER_EXPERT rows
-# per expert on average.
+# design's baseline script beside mokgen; the small calls' single launch"), the same bits:
+# E64 K8 H2048 I1024 1.16x at 8-32 rows per expert (T = 64-256), 0.99x at 64 (T=512), 0.86x
+# at 128; E128 K8 H2048 I768 1.15-1.16x at 4-16 rows, 0.94x at 64; E256 K8 H7168 I2048
+# 1.02-1.03x at 2-8 rows. So up to SMALL_ROWS_PER_EXPERT rows per expert on average.
 SMALL_ROW_TILE = 64
 SMALL_ROWS_PER_EXPERT = 48
 
@@ -735,9 +735,9 @@ SMALL_ROWS_PER_EXPERT = 48
 def small_launch(spec: MoESpec, row_tile: int, in_launch: bool, overrides: dict) -> tuple[int, str]:
     """(the largest T the small calls' single launch serves, why; 0 where the Plan has none). One
     GPU, beside the fused launch that dispatches itself and the per-GEMM path (not where
-    fuse_gemms forces one path), where the routed GEMMs' row tile is larger; not with a shared expert (its tiles would take the small tile too: not measured),
-    nor in the experiment that reorders the fused launch's tiles. Override fused_small: false
-    leaves it out."""
+    fuse_gemms forces one path), where the routed GEMMs' row tile is larger; not with a shared
+    expert (its tiles would take the small tile too: not measured), nor in the experiment that
+    reorders the fused launch's tiles. Override fused_small: false leaves it out."""
     if spec.world_size > 1 or not in_launch or row_tile <= SMALL_ROW_TILE or spec.shared_intermediate \
             or "gemm_fused.wave_lag" in overrides or overrides.get("fused_small") is False:
         return 0, ""
@@ -942,7 +942,8 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small"
-                           r"|(gemm_gateup|gemm_down|shared_gateup|shared_down|gemm_fused_small)\.(tile_n|raster|epi_stages)"
+                           r"|(gemm_gateup|gemm_down|shared_gateup|shared_down|gemm_fused_small)"
+                           r"\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
 
 
