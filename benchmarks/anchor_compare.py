@@ -45,14 +45,20 @@ CASES = {
 }
 
 
-def load_anchor(path: str | None):
+def anchor_path(path: str | None) -> Path:
+    """Where the anchor script is (--anchor, else the first of CANDIDATES); a clear exit if nowhere."""
     paths = [Path(path)] if path else [p for p in CANDIDATES if p.exists()]
-    if not paths or not paths[0].exists():
+    if not paths or not paths[0].is_file():
         sys.exit(f"the anchor script is not at {path or ' or '.join(map(str, CANDIDATES))}: pass --anchor")
-    spec = importlib.util.spec_from_file_location("anchor_bench", paths[0])
+    return paths[0]
+
+
+def load_anchor(path: Path):
+    """The anchor script as a module (it imports torch and triton)."""
+    spec = importlib.util.spec_from_file_location("anchor_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod, paths[0]
+    return mod
 
 
 def main() -> int:
@@ -65,6 +71,7 @@ def main() -> int:
     unknown = [c for c in names if c not in CASES]
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    where = anchor_path(args.anchor)
 
     import torch
 
@@ -74,7 +81,7 @@ def main() -> int:
     from mokgen.bench import gpu_state
     from mokgen.runtime import find_variant
 
-    anchor, where = load_anchor(args.anchor)
+    anchor = load_anchor(where)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; anchor harness {where}", flush=True)
     peak, copy_gbs = anchor.peak()
     print(f"dense bf16 8192^3: {peak:.0f} TFLOP/s; device copy {copy_gbs:.0f} GB/s", flush=True)

@@ -1,0 +1,30 @@
+"""The benchmark scripts' own checks, which run before any GPU work (no GPU needed)."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "anchor_compare.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_anchor_compare_refuses_unknown_cases_and_a_missing_script(tmp_path):
+    r = run("--cases", "e64_t16384,e9_t1")
+    assert r.returncode == 2 and "unknown case(s) e9_t1" in r.stderr and "e64_t16384" in r.stderr
+    r = run("--anchor", str(tmp_path / "nope.py"))
+    assert r.returncode == 1 and "the anchor script is not at" in r.stderr and "--anchor" in r.stderr
+
+
+def test_anchor_compare_covers_the_targets_shapes():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from anchor_compare import CASES
+    finally:
+        sys.path.pop(0)
+    # (T, H, I, E, K): the forward targets' layers and token counts, and the small-T ones
+    want = {(16384, 2048, 1024, 64, 8), (4096, 2048, 1024, 64, 8), (16384, 2048, 768, 128, 8),
+            (8192, 7168, 2048, 256, 8)} | {(t, 2048, 1024, 64, 8) for t in (64, 256, 1024)}
+    assert want <= set(CASES.values())
