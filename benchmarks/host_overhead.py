@@ -6,6 +6,9 @@ For each T: the GPU time (CUDA-graph replay), the eager time (CUDA events around
 back to back, as `mokgen bench` times them), and the host time per call measured while the GPU
 is held busy by a sleep kernel (so no call ever waits for the GPU: what the wall clock shows is
 the host's own work). An eager call is host-bound when its host time exceeds its GPU time.
+The host figure is an upper bound: launches queued behind the sleep kernel cost the host more
+than launches into a running stream (E40 eager calls timed 0.097 ms back to back, level with
+their graph replays, while this probe gave more host time per call than that).
 --profile adds cProfile's top entries for the host calls of the first T, and the torch
 profiler's table of what one eager call puts on the GPU (kernels, copies) and for how long.
 Callers timed: `variant.forward` (the runtime, no checks) and `mokgen.moe(..., check_ids=False)`
