@@ -600,9 +600,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         "combine", "reduce", "combine", "combine.py.j2", "main",
         dict(experts=d_experts, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
         cargs, grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
-    for entry in steps:  # the fused launch may combine itself
-        if not (fused_combine and {"gemm_fused", "gemm_fused_routed", "gemm_fused_small", "gemm_fused_small_routed"}
-                & set(steps[entry])):
+    combining = {k.name for k in kernels if k.params.get("fused") and k.params.get("combine")}
+    for entry in steps:  # a single launch may combine itself
+        if not combining & set(steps[entry]):
             steps[entry].append("combine")
     if fused_combine:
         decisions.append(
