@@ -8,7 +8,7 @@ not favour whichever ran first.
     python benchmarks/compare_experiment.py NAME [--variant V] [--tokens T,T,...]
                                             [--rounds R] [--eager] [--json PATH]
 
-NAME is fused, cluster2, chunked, multi, apart, wave or nosmall (the Plan without the small
+NAME is fused, cluster2, per_expert, multi, apart, wave or nosmall (the Plan without the small
 calls' 64-row launch); V defaults to the OLMoE layer. --eager
 also times both builds called directly (launch overhead included).
 """

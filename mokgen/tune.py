@@ -53,13 +53,14 @@ def candidates(spec: MoESpec) -> list[dict]:
             out.append({f"{k.name}.gather_lag": p["gather_lag"] + 1})
     # Whole-layer alternatives, where the Plan can make them: the fused launch at every T, or
     # never (the default runs it up to FUSED_MAX_TOKENS); 2-CTA clusters that multicast the
-    # weight tiles; the O(T*K) chunked dispatch. The last two measured slower or level on the
-    # bench shapes (docs/perf.md), so neither is the default; the tuner keeps whichever pays.
+    # weight tiles (measured slower or level on the bench shapes, docs/perf.md, so not the
+    # default); the per-expert dispatch kernels instead of the O(T*K) ones (the default since
+    # they measured 8x faster at E64 T=16384). The tuner keeps whichever pays.
     # The other row tile: the cost model picks it from the rows an expert gets at a mid-sized
     # T, but a layer tuned for small calls (decode) may pay for 64 (E64 at T <= 256: 1.17x,
     # one more pipeline stage of weights in flight; slower from T = 1024 on, docs/perf.md).
     other_tile = {"row_tile": 64 if plan.row_tile == 128 else 128}
-    for ov in ({"fuse_gemms": True}, {"fuse_gemms": False}, {"cluster_m": 2}, {"dispatch_chunked": True}, other_tile):
+    for ov in ({"fuse_gemms": True}, {"fuse_gemms": False}, {"cluster_m": 2}, {"dispatch_chunked": False}, other_tile):
         try:
             make_plan(spec, overrides=ov)
             out.append(ov)

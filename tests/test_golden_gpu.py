@@ -210,8 +210,8 @@ def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
         out = mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False)
         mokgen.check_errors()
         assert torch.isfinite(out.float()).all()
-    # the chunked dispatch (an experiment's build) reports them too
-    v = mokgen.load(built_path(spec_of(SHAPES[0]), experiment_dir("chunked"), SAME_BITS_EXPERIMENTS["chunked"]))
+    # the per-expert dispatch kernels (an experiment's build) report them too
+    v = mokgen.load(built_path(spec_of(SHAPES[0]), experiment_dir("per_expert"), SAME_BITS_EXPERIMENTS["per_expert"]))
     v.forward(x, bad, w, wg, wu, wd)
     with pytest.raises(InputError, match="outside \\[0, 64\\)"):
         v.check_errors()
@@ -231,13 +231,13 @@ def test_empty_slots_golden(shape, T, gen):
     assert not r.unwritten and r.rel_error <= TOL, f"relative error {r.rel_error:.3e}"
 
 
-def test_empty_slots_chunked_dispatch_and_backward(gen):
-    """The chunked dispatch counts the empty slots too (no error); the backward gives them a
+def test_empty_slots_per_expert_dispatch_and_backward(gen):
+    """The per-expert dispatch kernels count the empty slots too (no error); the backward gives them a
     d_topk_weights of exactly 0 and every gradient matches float64 autograd."""
     import mokgen
     from mokgen.verify import check_backward, check_forward
 
-    v = mokgen.load(built_path(spec_of(SHAPES[0]), experiment_dir("chunked"), SAME_BITS_EXPERIMENTS["chunked"]))
+    v = mokgen.load(built_path(spec_of(SHAPES[0]), experiment_dir("per_expert"), SAME_BITS_EXPERIMENTS["per_expert"]))
     r = check_forward(v, 4096, "dropped", gen)
     v.check_errors()
     assert not r.unwritten and r.rel_error <= TOL
@@ -341,7 +341,12 @@ def test_profiling_build_is_golden_and_records_every_task(shape, gen, tmp_path):
     r = check_forward(v, T, "skewed", gen)
     assert not r.unwritten and r.rel_error <= TOL
     records = collect(v, T, "skewed", seed=0)
-    assert len(records["combine"]) == T and len(records["dispatch_count"]) == v.spec.local_experts
+    # one dispatch task per CTA: per chunk of pairs (the O(T*K) kernels) or per expert
+    d = next(k for k in v.plan["kernels"] if k["name"] == "dispatch_count")
+    d_tasks = math.ceil(T * v.spec.topk / d["params"]["chunk"]) if d["template"] == "dispatch_chunked.py.j2" \
+        else v.spec.local_experts
+    assert len(records["combine"]) == T and len(records["dispatch_count"]) == d_tasks
+    assert len(records["dispatch_scatter"]) == d_tasks
     sms = v.plan["target"]["sms"]
     for name, rows in records.items():
         assert rows, name
@@ -427,11 +432,12 @@ def test_fused_launch_captures_and_replays_with_new_inputs(gen):
 
 # Plan overrides that must not change a bit: the same tiles in the same K order.
 #   cluster2: 2-CTA clusters multicast the routed GEMMs' weight tiles;
-#   chunked:  the O(T*K) chunked dispatch places every row where the per-expert one does;
+#   per_expert: the per-expert dispatch kernels (one CTA per expert) place every row where the
+#             default O(T*K) chunked ones do;
 #   multi:    one launch per GEMM at every T (the default runs the fused launch up to
 #             fused_max_tokens tokens);
 #   apart:    the fused launch after the two dispatch kernels (the default dispatches inside it).
-SAME_BITS_EXPERIMENTS = {"cluster2": {"cluster_m": 2}, "chunked": {"dispatch_chunked": True},
+SAME_BITS_EXPERIMENTS = {"cluster2": {"cluster_m": 2}, "per_expert": {"dispatch_chunked": False},
                          "multi": {"fuse_gemms": False}, "apart": {"dispatch_in_launch": False}}
 
 

@@ -83,9 +83,9 @@ int mokgen_dispatch_count_launch(void **data, const int32_t *dyn, void *stream) 
     if (load_err_dispatch_count) return load_err_dispatch_count;
     (void)dyn;
     mokgen_dispatch_count_Tensor_ids_t arg_ids = {data[0], {dyn[0]}};
-    mokgen_dispatch_count_Tensor_counts_t arg_counts = {data[1]};
+    mokgen_dispatch_count_Tensor_chunk_hist_t arg_chunk_hist = {data[1], {dyn[1]}};
     mokgen_dispatch_count_Tensor_tile_counters_t arg_tile_counters = {data[2]};
-    return cute_dsl_mokgen_dispatch_count_wrapper(&mod_dispatch_count, &arg_ids, &arg_counts, &arg_tile_counters, (cudaStream_t)stream);
+    return cute_dsl_mokgen_dispatch_count_wrapper(&mod_dispatch_count, &arg_ids, &arg_chunk_hist, &arg_tile_counters, (cudaStream_t)stream);
 }
 
 /* dispatch_scatter: send stage, dispatch.py:scatter */
@@ -101,13 +101,14 @@ int mokgen_dispatch_scatter_launch(void **data, const int32_t *dyn, void *stream
     if (load_err_dispatch_scatter) return load_err_dispatch_scatter;
     (void)dyn;
     mokgen_dispatch_scatter_Tensor_ids_t arg_ids = {data[0], {dyn[0]}};
-    mokgen_dispatch_scatter_Tensor_counts_t arg_counts = {data[1]};
-    mokgen_dispatch_scatter_Tensor_pos_t arg_pos = {data[2], {dyn[1]}};
-    mokgen_dispatch_scatter_Tensor_row_token_t arg_row_token = {data[3], {dyn[2]}};
-    mokgen_dispatch_scatter_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[3]}};
-    mokgen_dispatch_scatter_Tensor_tile_counters_t arg_tile_counters = {data[5]};
-    mokgen_dispatch_scatter_Tensor_h_ready_t arg_h_ready = {data[6], {dyn[4]}};
-    return cute_dsl_mokgen_dispatch_scatter_wrapper(&mod_dispatch_scatter, &arg_ids, &arg_counts, &arg_pos, &arg_row_token, &arg_tile_expert, &arg_tile_counters, &arg_h_ready, (cudaStream_t)stream);
+    mokgen_dispatch_scatter_Tensor_chunk_hist_t arg_chunk_hist = {data[1], {dyn[1]}};
+    mokgen_dispatch_scatter_Tensor_counts_t arg_counts = {data[2]};
+    mokgen_dispatch_scatter_Tensor_pos_t arg_pos = {data[3], {dyn[2]}};
+    mokgen_dispatch_scatter_Tensor_row_token_t arg_row_token = {data[4], {dyn[3]}};
+    mokgen_dispatch_scatter_Tensor_tile_expert_t arg_tile_expert = {data[5], {dyn[4]}};
+    mokgen_dispatch_scatter_Tensor_tile_counters_t arg_tile_counters = {data[6]};
+    mokgen_dispatch_scatter_Tensor_h_ready_t arg_h_ready = {data[7], {dyn[5]}};
+    return cute_dsl_mokgen_dispatch_scatter_wrapper(&mod_dispatch_scatter, &arg_ids, &arg_chunk_hist, &arg_counts, &arg_pos, &arg_row_token, &arg_tile_expert, &arg_tile_counters, &arg_h_ready, (cudaStream_t)stream);
 }
 
 /* gemm_gateup: gemm_gateup stage, gemm_gateup.py:main */
