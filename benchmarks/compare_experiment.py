@@ -1,9 +1,10 @@
 """An experimental build (a Plan override, built by build_gpu_variants.py under
 generated/experiments/NAME) against the default build and torch grouped_mm, side by side in
 one process. CUDA-graph replay times (no launch overhead), 10 warm-ups and the median of 50,
-with the SM clock and power after each. The three are timed in interleaved rounds and the
-best round's median kept per implementation, so that a power-capped clock late in the run does
-not favour whichever ran first.
+with the SM clock and power after each. The three are timed in interleaved rounds (the order
+rotating each round) and the best round's median kept per implementation, so that a
+power-capped clock late in the run does not favour whichever ran first; the line also gives
+the median over rounds of the two builds' ratio within a round.
 
     python benchmarks/compare_experiment.py NAME [--variant V] [--tokens T,T,...]
                                             [--rounds R] [--eager] [--json PATH]
@@ -62,6 +63,15 @@ for T in [int(t) for t in args.tokens.split(",")]:
     if args.eager:
         line += f"  eager: default {best['default eager']:.3f} ms  {args.name} {best[args.name + ' eager']:.3f} ms " \
                 f"({best['default eager'] / best[args.name + ' eager']:.3f}x)"
+    # The ratio within each round (the two builds timed moments apart), median over rounds:
+    # steadier than the best rounds' ratio where the clock drifts with power.
+    per_round = {}
+    for r in rows:
+        if r.get("T") == T and r["impl"] in ("default", args.name):
+            per_round.setdefault(r["round"], {})[r["impl"]] = r["ms"]
+    ratios = sorted(v["default"] / v[args.name] for v in per_round.values() if len(v) == 2)
+    if ratios:
+        line += f"  per-round ratio median {ratios[len(ratios) // 2]:.3f}x ({', '.join(f'{x:.3f}' for x in ratios)})"
     print(line, flush=True)
 if args.json:
     with open(args.json, "w") as f:

@@ -28,3 +28,18 @@ def test_anchor_compare_covers_the_targets_shapes():
     want = {(16384, 2048, 1024, 64, 8), (4096, 2048, 1024, 64, 8), (16384, 2048, 768, 128, 8),
             (8192, 7168, 2048, 256, 8)} | {(t, 2048, 1024, 64, 8) for t in (64, 256, 1024)}
     assert want <= set(CASES.values())
+
+
+def test_interleaved_rounds_rotate_which_implementation_goes_first(monkeypatch):
+    """At power-capped sizes the first timing of a round gets the coolest GPU: every
+    implementation takes that place in turn, and the best round is kept per implementation."""
+    import mokgen.bench as bench
+
+    order, fake_ms = [], iter(range(100, 0, -1))
+    monkeypatch.setattr(bench, "time_ms", lambda fn, warmup, iters: (order.append(fn()), next(fake_ms))[1])
+    monkeypatch.setattr(bench, "gpu_state", lambda: {})
+    rows = []
+    best = bench.time_rounds({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, 3, rows, T=1)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [r["round"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2] and rows[0]["T"] == 1
+    assert best == {"a": 93, "b": 92, "c": 94}
