@@ -534,7 +534,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if in_launch:
             decisions.append(
                 "gemm_fused also dispatches: each CTA counts, then places, every grid-th expert's pairs (the "
-                "dispatch kernels' code and bits) before it takes tiles; two launch-wide counters order the phases "
+                "per-expert dispatch kernels' code; every dispatch's bits) before it takes tiles; two launch-wide counters order the phases "
                 "(bounded waits; the last CTA past them zeroes them for the next call), so the forward is one launch")
             kernels.append(routed_launch(kernels[-1], spec))
             steps["forward_routed"] = ["gemm_fused_routed"]
