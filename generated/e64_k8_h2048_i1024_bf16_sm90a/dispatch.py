@@ -14,9 +14,9 @@ scatter  CTA c
            (a chunk-serial loop here made the kernel latency-bound: one load round trip per chunk);
          - places expert e's rows at a padded offset: each expert's segment starts on a
            multiple of 128 * 1 rows (the GEMM M tile, times the cluster);
-         - for the experts e = c, c + chunks, ...: writes counts[e], tile_expert[m] = e
-           for e's M tiles and row_token = -1 for its padding rows (CTA 0: tile_expert = -1
-           after the last used tile);
+         - with one warp per expert (warp w of CTA c: experts c * warps + w, then every
+           chunks * warps-th): writes counts[e], tile_expert[m] = e for e's M tiles and
+           row_token = -1 for its padding rows (CTA 0: tile_expert = -1 after the last used tile);
          - ranks its chunk's pairs stably: warp w owns 128 consecutive pairs; per
            32-pair step, match.sync finds the lanes with the same expert and a lane's rank
            is the number of such lanes below it, after the counts of the warps before it
@@ -170,17 +170,19 @@ def scatter_kernel(
     for e in cutlass.range(tidx, WARPS * EXPERTS, THREADS, unroll=1):
         warp_next[e] = 0
 
-    # Per-expert tables, the experts spread over the chunks' CTAs.
-    for e in cutlass.range(c, EXPERTS, chunks, unroll=1):
+    # Per-expert tables, one warp per expert, the experts spread over every CTA's warps (at small
+    # T one CTA holds all the pairs: a loop over the experts with the whole CTA on each made its
+    # scatter 13.6 us at E64 T=64, against 3.6 for the per-expert kernels).
+    for e in cutlass.range(c * WARPS + warp, EXPERTS, chunks * WARPS, unroll=1):
         my_count = total[e]
         my_tiles = expert_tiles(my_count)
         first_tile = tile_off[e]
-        if tidx == 0:
+        if lane == 0:
             counts[e] = my_count
-        for i in cutlass.range(tidx, my_tiles, THREADS, unroll=1):
+        for i in cutlass.range(lane, my_tiles, 32, unroll=1):
             tile_expert[first_tile + i] = e
             h_ready[first_tile + i] = 0  # the fused GEMM's per-M-tile count of finished gate/up tiles
-        for i in cutlass.range(my_count + tidx, my_tiles * TILE_M, THREADS, unroll=1):
+        for i in cutlass.range(my_count + lane, my_tiles * TILE_M, 32, unroll=1):
             row_token[first_tile * TILE_M + i] = -1
     if c == 0:
         for i in cutlass.range(tiles_total + tidx, cute.size(tile_expert), THREADS, unroll=1):
