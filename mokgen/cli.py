@@ -210,7 +210,9 @@ def show(variant, as_json, png, png_tokens):
 
 @main.command()
 @click.argument("variant")
-@click.option("--tokens", type=int, default=4096, show_default=True, help="Token count T of the profiled forward.")
+@click.option("--tokens", type=int, default=4096, show_default=True,
+              help="Token count T of the profiled forward; it runs the path the Plan takes at this T (at small T "
+                   "the single launch, whose dispatch and combine phases are tasks too).")
 @click.option("--routing", type=click.Choice(["uniform", "skewed"]), default="uniform", show_default=True)
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=Path("profile.png"), show_default=True,
               help="Where to draw the per-SM timeline.")

@@ -2,8 +2,11 @@
 
 A profiling build (`mokgen build --profile`, Plan override "profile") has every task
 record its SM and its start and end time (globaltimer, ns) on the device:
-one row per GEMM tile, dispatch CTA and combine CTA. This module runs a forward,
-reads the rows back, and reports per kernel: tasks, time span and median task time.
+one row per GEMM tile, dispatch CTA and combine CTA, and in a single launch one per CTA for its
+dispatch phase (from the launch's start) and its combine phase. This module runs the forward
+path the Plan takes at the given T (so at small T the single launch), reads the rows back, and
+reports per kernel (a single launch per phase and tile kind): tasks, time span and median
+task time.
 Per SM it reports busy time (the union of its task intervals) and idle time inside the
 forward's span. It draws one horizontal bar per task, per SM, as a PNG.
 
@@ -18,8 +21,10 @@ from pathlib import Path
 
 
 def collect(variant, tokens: int, routing: str = "uniform", seed: int = 0, warmup: int = 3) -> dict:
-    """Run the forward of a profiling build and return its task records, in us from the
-    first task's start: {kernel: [(sm, start_us, end_us), ...]} in launch order."""
+    """Run the forward of a profiling build (the path the Plan takes at this T: the per-GEMM
+    kernels, the single launch or the small calls' launch) and return its task records, in us
+    from the first task's start: {task kind: [(sm, start_us, end_us), ...]} in launch order. A
+    single launch's records are split by what they time (see single_launch_kinds)."""
     import torch
 
     from .verify import make_inputs
@@ -31,11 +36,52 @@ def collect(variant, tokens: int, routing: str = "uniform", seed: int = 0, warmu
     for _ in range(warmup + 1):
         variant.forward(x, ids, w, wg, wu, wd, sg, su, sd)
     torch.cuda.synchronize()
-    raw = {k: r[r[:, 2] > 0].cpu().tolist() for k, r in variant.last_records.items()}
+    params = {k["name"]: k["params"] for k in variant.plan["kernels"]}
+    sms = variant.plan["target"]["sms"]
+    raw = {}
+    for k in variant.plan["steps"][variant.forward_entry(tokens)]:
+        if k not in variant.last_records:
+            continue
+        rows = variant.last_records[k].cpu().tolist()
+        if params[k].get("fused") and params[k].get("combine"):
+            raw.update(single_launch_kinds(k, params[k], rows, tokens, sms))
+        else:
+            raw[k] = [r for r in rows if r[2] > 0]
+    raw = {k: rows for k, rows in raw.items() if rows}
     t0 = min(row[1] for rows in raw.values() for row in rows)
-    order = [k for k in variant.plan["steps"]["forward"] if k in raw]
-    return {k: sorted(((int(sm), (s - t0) / 1e3, (e - t0) / 1e3) for sm, s, e in raw[k]), key=lambda r: r[1])
-            for k in order}
+    return {k: sorted(((int(sm), (s - t0) / 1e3, (e - t0) / 1e3) for sm, s, e in rows), key=lambda r: r[1])
+            for k, rows in raw.items()}
+
+
+KIND_LABELS = {"gateup": "gate/up tiles", "down": "down tiles", "shared_gateup": "shared gate/up tiles",
+               "shared_down": "shared down tiles"}
+
+
+def single_launch_kinds(name: str, p: dict, rows: list, tokens: int, sms: int) -> dict:
+    """A single launch's records (templates/grouped_gemm_persistent.py.j2, PROF_TILE0): rows
+    [0, sms) each CTA's dispatch phase (from the launch's start), [sms, 2 sms) its combine phase,
+    then one per tile at its claim index, whose kinds follow each other in the Plan's tile order
+    (p["tile_order"]). Returns {"<name> <what>": rows} in the order they run."""
+    tiles = rows[2 * sms:]
+    valid = sum(1 for r in tiles if r[2] > 0)
+    per_m = {"gateup": -(-p["n_size"] // p["tile_n"]), "down": p["n2_tiles"],
+             "shared_gateup": p.get("s_size", 0) // p["tile_n"], "shared_down": p["n2_tiles"]}
+    order = p.get("tile_order", ["gateup", "down"])
+    shared_m = -(-tokens // p["tile_m"]) if p.get("s_size") else 0
+    shared = sum(per_m[t] for t in order if t.startswith("shared")) * shared_m
+    routed = sum(per_m[t] for t in order if not t.startswith("shared"))
+    out = {f"{name} dispatch": [r for r in rows[:sms] if r[2] > 0]}
+    if p.get("wave_lag"):  # gate/up and down tiles interleaved (the wavefront order)
+        out[f"{name} tiles"] = [r for r in tiles if r[2] > 0]
+    else:
+        used = (valid - shared) // routed if routed else 0
+        start = 0
+        for t in order:
+            n = per_m[t] * (shared_m if t.startswith("shared") else used)
+            out[f"{name} {KIND_LABELS[t]}"] = [r for r in tiles[start:start + n] if r[2] > 0]
+            start += n
+    out[f"{name} combine"] = [r for r in rows[sms:2 * sms] if r[2] > 0]
+    return out
 
 
 def _union(intervals) -> float:
@@ -60,10 +106,12 @@ def summarize(records: dict, sms: int) -> dict:
 
 
 def format_summary(name: str, tokens: int, summary: dict) -> str:
+    width = max([6] + [len(k) for k in summary["kernels"]])
     lines = [f"{name} T={tokens}: forward span {summary['span_us']:.1f} us (first task start to last task end)",
-             f"  {'kernel':18s} {'tasks':>7s} {'start us':>9s} {'end us':>9s} {'median task us':>15s}"]
+             f"  {'kernel':{width}s} {'tasks':>7s} {'start us':>9s} {'end us':>9s} {'median task us':>15s}"]
     for k, s in summary["kernels"].items():
-        lines.append(f"  {k:18s} {s['tasks']:7d} {s['start_us']:9.1f} {s['end_us']:9.1f} {s['median_task_us']:15.2f}")
+        lines.append(f"  {k:{width}s} {s['tasks']:7d} {s['start_us']:9.1f} {s['end_us']:9.1f} "
+                     f"{s['median_task_us']:15.2f}")
     lines.append(f"  idle SM time inside the span: {summary['idle_us_total'] / 1e3:.2f} SM-ms "
                  f"({100 * summary['idle_fraction']:.1f}% of {len(summary['sm_busy_us'])} SMs x span)")
     return "\n".join(lines)

@@ -318,8 +318,12 @@ def test_a_deadlocked_kernel_fails_fast_instead_of_hanging(broken):
         "v.forward(x, ids, w, wg, wu, wd)", "good.forward(x, ids, w, wg, wu, wd)", (kernel, site))
 
 
+@pytest.mark.parametrize("T", [64, 1000, 4096])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[4]], ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
-def test_profiling_build_is_golden_and_records_every_task(shape, gen, tmp_path):
+def test_profiling_build_is_golden_and_records_every_task(shape, T, gen, tmp_path):
+    """The profiling build runs the path the Plan takes at T (the small calls' launch, the
+    single launch, the per-GEMM kernels), gives the normal build's answer, and records every
+    task once: every tile, and a single launch's dispatch and combine phases per CTA."""
     import math
 
     from mokgen.codegen.build import profile_dir
@@ -337,16 +341,9 @@ def test_profiling_build_is_golden_and_records_every_task(shape, gen, tmp_path):
 
         build_profiling(spec_of(shape), log=lambda m: None)
     v = Variant(path)
-    T = 1000
     r = check_forward(v, T, "skewed", gen)
     assert not r.unwritten and r.rel_error <= TOL
     records = collect(v, T, "skewed", seed=0)
-    # one dispatch task per CTA: per chunk of pairs (the O(T*K) kernels) or per expert
-    d = next(k for k in v.plan["kernels"] if k["name"] == "dispatch_count")
-    d_tasks = math.ceil(T * v.spec.topk / d["params"]["chunk"]) if d["template"] == "dispatch_chunked.py.j2" \
-        else v.spec.local_experts
-    assert len(records["combine"]) == T and len(records["dispatch_count"]) == d_tasks
-    assert len(records["dispatch_scatter"]) == d_tasks
     sms = v.plan["target"]["sms"]
     for name, rows in records.items():
         assert rows, name
@@ -356,11 +353,37 @@ def test_profiling_build_is_golden_and_records_every_task(shape, gen, tmp_path):
 
     ids = mk(v.spec, T, "skewed", torch.Generator("cuda").manual_seed(0))[1]
     counts = torch.bincount(ids.flatten().long(), minlength=v.spec.local_experts).tolist()
-    used_m_tiles = sum(math.ceil(c / v.plan["row_tile"]) for c in counts)
-    for k in v.plan["kernels"]:
-        if k["template"] == "grouped_gemm_persistent.py.j2":
-            m_tiles = math.ceil(T / v.plan["row_tile"]) if k["name"].startswith("shared") else used_m_tiles
-            assert len(records[k["name"]]) == m_tiles * math.ceil(k["params"]["n_size"] / k["params"]["tile_n"])
+    entry = v.forward_entry(T)
+    kernels = {k["name"]: k for k in v.plan["kernels"]}
+    if entry == "forward":
+        # one dispatch task per CTA: per chunk of pairs (the O(T*K) kernels) or per expert
+        d = kernels["dispatch_count"]
+        d_tasks = math.ceil(T * v.spec.topk / d["params"]["chunk"]) if d["template"] == "dispatch_chunked.py.j2" \
+            else v.spec.local_experts
+        assert len(records["combine"]) == T and len(records["dispatch_count"]) == d_tasks
+        assert len(records["dispatch_scatter"]) == d_tasks
+        used_m_tiles = sum(math.ceil(c / v.plan["row_tile"]) for c in counts)
+        for k in v.plan["steps"]["forward"]:
+            if kernels[k]["template"] == "grouped_gemm_persistent.py.j2":
+                m_tiles = math.ceil(T / v.plan["row_tile"]) if k.startswith("shared") else used_m_tiles
+                p = kernels[k]["params"]
+                assert len(records[k]) == m_tiles * math.ceil(p["n_size"] / p["tile_n"])
+    else:  # one launch: every CTA's dispatch phase, its tiles by kind, the combine of the CTAs with rows
+        (name,) = v.plan["steps"][entry]
+        p = kernels[name]["params"]
+        used = sum(math.ceil(c / p["tile_m"]) for c in counts)
+        shared_m = math.ceil(T / p["tile_m"]) if p.get("s_size") else 0
+        assert len(records[f"{name} gate/up tiles"]) == used * p["n_size"] // p["tile_n"]
+        assert len(records[f"{name} down tiles"]) == used * p["n2_tiles"]
+        if shared_m:
+            assert len(records[f"{name} shared gate/up tiles"]) == shared_m * p["s_size"] // p["tile_n"]
+            assert len(records[f"{name} shared down tiles"]) == shared_m * p["n2_tiles"]
+        grid = len(records[f"{name} dispatch"])
+        assert 0 < grid <= sms and len({sm for sm, _, _ in records[f"{name} dispatch"]}) == grid
+        warps = p["mma_warpgroups"] * 4
+        parts = max(d for d in p["combine_parts"] if T * d <= grid * warps or d == 1)  # the launch's choice
+        assert len(records[f"{name} combine"]) == min(grid, math.ceil(T * parts / warps))
+        assert min(r[1] for r in records[f"{name} dispatch"]) == 0.0  # the span starts with the launch
     s = summarize(records, sms)
     assert 0 <= s["idle_fraction"] < 1 and s["span_us"] > 0
     assert draw(records, s, sms, tmp_path / "p.png", "test") is None or (tmp_path / "p.png").stat().st_size > 0

@@ -416,12 +416,39 @@ def test_profiling_build_gives_every_forward_kernel_a_task_record_buffer():
         assert k.params.get("profile") and k.args[-1].name == "prof" and k.args[-1].tensor == f"prof_{name}"
         assert bufs[f"prof_{name}"].init == "zeros" and bufs[f"prof_{name}"].shape[1] == "3"
     assert not prof.kernel("route").params.get("profile")  # not part of the forward
+    # Every forward path records: the per-GEMM kernels, the single launch, the small calls'
+    # launch (not the routing twins, which run the same tiles).
+    assert prof.steps["forward_fused"] == ["gemm_fused"] and prof.kernel("gemm_fused").params["profile"]
+    assert not prof.kernel("gemm_fused_routed").params["profile"]
+    assert "prof_gemm_fused" in bufs and "prof_gemm_fused_routed" not in bufs
+    olmoe = make_plan(PRESETS["olmoe"], overrides={"profile": True})
+    small = olmoe.kernel("gemm_fused_small")
+    assert small.params["profile"] and small.args[-1].tensor == "prof_gemm_fused_small"
+    rows = sympy.sympify(next(b for b in olmoe.buffers if b.name == "prof_gemm_fused_small").shape[0])
+    assert rows.subs("T", 64) == (math.ceil(64 * 8 / 64) + 64) * (1024 // small.params["tile_n"]
+                                                                  + small.params["n2_tiles"]) + 2 * olmoe.target["sms"]
     # One row per task: GEMM tiles bound the routed and shared GEMMs' records.
     rows = sympy.sympify(bufs["prof_gemm_down"].shape[0])
     k = prof.kernel("gemm_down")
     assert rows.subs("T", 1000) == (math.ceil(1000 * 4 / prof.row_tile) + 16) * math.ceil(1024 / k.params["tile_n"])
     with pytest.raises(PlanError, match="true or false"):
         make_plan(spec, overrides={"profile": 1})
+
+
+def test_single_launch_combine_spreads_each_row_over_warps():
+    """The single launch's combine may split a token row into parts of 32 lanes x VEC columns
+    (any divisor of hidden / 256 in bf16), so a small call's few rows reach every CTA's warps;
+    expert parallel keeps whole rows."""
+    from mokgen.schedule.plan import VEC, combine_parts
+
+    assert 32 * VEC == 256 and combine_parts(2048) == [1, 2, 4, 8] and combine_parts(1536) == [1, 2, 3, 6]
+    assert combine_parts(32 * VEC + 64) == [1]  # not a whole number of parts: whole rows only
+    p = make_plan(PRESETS["olmoe"])
+    for name in ("gemm_fused", "gemm_fused_small", "gemm_fused_routed", "gemm_fused_small_routed"):
+        assert p.kernel(name).params["combine_parts"] == [1, 2, 4, 8], name
+    ep = make_plan(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, world_size=2, topology="nvlink"),
+                   overrides={"ep_fused_combine": True})
+    assert ep.kernel("gemm_fused").params["combine"] and ep.kernel("gemm_fused").params["combine_parts"] == [1]
 
 
 def test_fused_gemms_plan_links_the_tiles_through_counters():
@@ -460,9 +487,14 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
     counters = next(b for b in p.buffers if b.name == "tile_counters")
     assert k.params["combine"] and k.params["done_slot"] == k.params["used_slot"] + 1
     assert int(counters.shape[0]) == k.params["used_slot"] + 3 == k.params["status_slot"] + 1
-    # A profiling build times the combine as its own kernel.
+    # A profiling build is the same launch (it dispatches and combines): each CTA records its
+    # dispatch and combine phases in the rows before the tiles'.
     prof = make_plan(spec, overrides={"fuse_gemms": True, "profile": True})
-    assert prof.steps["forward"][-1] == "combine" and not prof.kernel("gemm_fused").params["combine"]
+    assert prof.steps["forward"] == ["gemm_fused"] and prof.kernel("gemm_fused").params["combine"]
+    rows = sympy.sympify(next(b for b in prof.buffers if b.name == "prof_gemm_fused").shape[0])
+    m_tiles = math.ceil(1000 * spec.topk / prof.row_tile) + spec.experts
+    n_tiles = spec.intermediate // k.params["tile_n"] + k.params["n2_tiles"]
+    assert rows.subs("T", 1000) == m_tiles * n_tiles + 2 * prof.target["sms"]
     cands = __import__("mokgen.tune", fromlist=["candidates"]).candidates(spec)
     assert {"fuse_gemms": True} in cands and {"cluster_m": 2} in cands and {"dispatch_chunked": False} in cands
     assert {"row_tile": 64 if p.row_tile == 128 else 128} in cands  # (small calls may pay for the other)

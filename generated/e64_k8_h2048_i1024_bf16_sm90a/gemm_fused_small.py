@@ -83,6 +83,9 @@ N2_TILES = 8
 USED_SLOT = 10  # tile_counter entry where dispatch wrote the number of used M tiles
 GATEUP = 0  # tile kinds; the gate/up kinds are even
 DOWN = 1
+# The combine's tasks: (token row, part) pairs; the launch splits rows into the most of these
+# part counts that gives no warp two tasks (mokgen/schedule/plan.py, combine_parts).
+COMBINE_PARTS = [1, 2, 4, 8]
 DONE_SLOT = 11  # tile_counter entry: finished down tiles (the combine waits for all)
 TOPK = 8
 COMBINE_EXPERTS = GROUPS  # ids outside [0, COMBINE_EXPERTS) contribute nothing
@@ -1071,10 +1074,11 @@ class GemmFusedSmall:
                 failed = wait_count_bounded(down_done, down_total, status, failed, SITE_H_READY)
             epi_barrier.arrive_and_wait()
             cute.arch.fence_acq_rel_gpu()  # thread 0's acquire covers this thread's reads of y
-            # One token row per consumer warp at a time (rows CTA * warps + warp, then strided by
-            # all the launch's consumer warps); its K ids, positions and weights are read once,
-            # and each lane keeps 2 x TOPK row loads in flight: this CTA has only its consumer
-            # warps to hide the latency of y, where a combine kernel has a full SM of them.
+            # One (token row, part) task per consumer warp at a time (tasks CTA * warps + warp,
+            # then strided by all the launch's consumer warps); the task's K ids, positions and
+            # weights are read once, and each lane keeps up to 2 x TOPK row loads in flight: this
+            # CTA has only its consumer warps to hide the latency of y, where a combine kernel has
+            # a full SM of them.
             block, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
             lane = cute.arch.lane_idx()
@@ -1084,8 +1088,15 @@ class GemmFusedSmall:
             combine_rows = out.shape[0]
             if dispatch_failed:  # the positions may never have been written
                 combine_rows = 0
-            for t in cutlass.range(block * (CONSUMER_THREADS // 32) + cwarp, combine_rows,
-                                   grid * (CONSUMER_THREADS // 32), unroll=1):
+            parts = cutlass.Int32(1)
+            for d in cutlass.range_constexpr(len(COMBINE_PARTS)):
+                if combine_rows * COMBINE_PARTS[d] <= grid * (CONSUMER_THREADS // 32):
+                    parts = cutlass.Int32(COMBINE_PARTS[d])
+            part_vecs = N2_SIZE // VEC // parts  # 16-byte pieces (VEC elements) of a part
+            for task in cutlass.range(block * (CONSUMER_THREADS // 32) + cwarp, combine_rows * parts,
+                                      grid * (CONSUMER_THREADS // 32), unroll=1):
+                t = task // parts
+                part = task % parts
                 for k in cutlass.range_constexpr(TOPK):
                     e = ids[t, k]
                     rows_pos[k] = pos[t, k]
@@ -1093,7 +1104,7 @@ class GemmFusedSmall:
                     if e < 0 or e >= COMBINE_EXPERTS:  # out-of-range ids contribute nothing
                         rows_w[k] = 0.0
                         rows_pos[k] = -1
-                for col in cutlass.range(lane, N2_SIZE // VEC, 32, unroll=2):
+                for col in cutlass.range(part * part_vecs + lane, (part + 1) * part_vecs, 32, unroll=2):
                     acc = cute.make_rmem_tensor((1, VEC), cutlass.Float32)
                     acc.fill(0.0)
                     for k in cutlass.range_constexpr(TOPK):

@@ -299,9 +299,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if key in (overrides or {}) and not needs:  # an override that would change nothing is an error
             raise PlanError(f"{key}: the layer is not expert parallel" if key.startswith("ep_") and not ep else
                             f"{key}: this Plan has no single launch ({why})")
-    # The fused launch combines too, except in a profiling build (which times the combine
-    # as its own kernel; expert parallel: the combine reads the returned rows after the wait).
-    fused_combine = fuse and not ep and not (overrides or {}).get("profile")
+    # The fused launch combines too (expert parallel: the combine reads the returned rows after
+    # the wait).
+    fused_combine = fuse and not ep
     # tile_counters, one place for every slot; dispatch_count zeroes them all, so no extra
     # launch or memset per call:
     #   one tile counter per grouped GEMM (its tile scheduler claims tiles from it);
@@ -669,20 +669,27 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if ep and exchange[1]:
             side_stream += ["ep_send_bwd", "ep_send_bwd_grad", "ep_send_bwd_x", "ep_return_bwd"]
     profile = bool((overrides or {}).get("profile"))
+    # The kernels that record: every forward path's (the per-GEMM path, the single launch and
+    # the small calls' launch; not the routing twins, which run the same tiles).
+    profiled = {n for entry in ("forward", "forward_fused", "forward_small") for n in steps.get(entry, [])}
     for k in kernels:  # every template reads the flag; only the forward's kernels record
-        k.params = dict(k.params, profile=profile and k.name in forward)
+        k.params = dict(k.params, profile=profile and k.name in profiled)
     if profile:
         d_tasks = sympy.ceiling(T * K / CHUNK_PAIRS) if chunked else sympy.Integer(E)  # one per dispatch CTA
         tasks = {"dispatch_count": d_tasks, "dispatch_scatter": d_tasks, "combine": T}
         for k in kernels:
             if k.template == "grouped_gemm_persistent.py.j2":
-                m = s_tiles if k.name.startswith("shared") else m_tiles
+                m = s_tiles if k.name.startswith("shared") else m_tiles_s if k.name == "gemm_fused_small" \
+                    else m_tiles
                 tasks[k.name] = m * (-(-k.params["n_size"] // k.params["tile_n"]) + k.params.get("n2_tiles", 0))
                 if k.params.get("s_size"):  # the fused launch's shared-expert tiles
                     tasks[k.name] += s_tiles * (k.params["s_size"] // k.params["tile_n"] + k.params["n2_tiles"])
-        add_task_records(kernels, forward, buffers, tasks)
-        decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA) records its SM and "
-                         "its start and end time (globaltimer) in prof_<kernel>; `mokgen profile` draws them")
+                if k.params.get("fused") and k.params.get("combine"):  # each CTA's dispatch and combine phases
+                    tasks[k.name] += 2 * target.sms
+        add_task_records(kernels, profiled, buffers, tasks)
+        decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA; in a single launch "
+                         "each CTA's dispatch and combine phases too) records its SM and its start and end time "
+                         "(globaltimer) in prof_<kernel>; `mokgen profile` draws them")
 
     steps["route"] = ["route"]
     steps["route_backward"] = ["route_backward"]
@@ -785,8 +792,8 @@ def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict 
     unfit = fused_misfit(H, I, S, tn)
     if unfit:
         return "multi", f"GEMM path: one launch per GEMM ({unfit})"
-    if cluster_m != 1 or ov.get("profile"):
-        return "multi", "GEMM path: one launch per GEMM (clusters and profiling are built for it only)"
+    if cluster_m != 1:
+        return "multi", "GEMM path: one launch per GEMM (clusters are built for it only)"
     return "by_tokens", (f"GEMM paths: calls with T <= {FUSED_MAX_TOKENS} run the fused launch (all GEMM tiles in "
                          "one persistent kernel), larger ones one launch per GEMM (measured crossover, docs/perf.md)")
 
@@ -840,6 +847,21 @@ def fused_misfit(H: int, I: int, S: int, tile_n: int) -> str | None:
     return None
 
 
+def combine_parts(hidden: int) -> list[int]:
+    """How many parts the single launch's combine may split a token row into, one (row, part)
+    task per warp: the divisors of hidden / (32 lanes x VEC). The launch takes the most parts
+    that still leave no warp more than one task (T x parts <= its consumer warps), so a small
+    call's few rows spread over every CTA, each lane with one 16-byte piece of each of the K
+    rows in flight, where one warp walking a whole row left the combine to a few CTAs,
+    latency-bound (E64 T=64: 16 CTAs, 11.4 us; split in 8 parts, 4.8 us), and a larger call
+    keeps whole rows, whose loads a warp overlaps better than one task after another (E64
+    T=1024: 15.8 us whole, 30.7 us in 8 parts; docs/perf.md). Each output element is still
+    summed over k in order: the combine kernel's bits. (Expert parallel keeps whole rows: not
+    yet measured over NVLink.)"""
+    most = hidden // (32 * VEC) if hidden % (32 * VEC) == 0 else 1
+    return [d for d in range(1, most + 1) if most % d == 0]
+
+
 def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target, S: int = 0,
                shared_slot: int = 0, sched_slot: int = 0, done_slot: int | None = None, K: int = 0,
                debug_break_dependency: bool = False, name: str = "gemm_fused") -> KernelPlan:
@@ -854,6 +876,7 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
     params = dict(p, fused=True, name=name, class_name=class_name(name), n2_size=H, k2_size=I,
                   n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot, s_size=S, shared_slot=shared_slot,
                   sched_slot=sched_slot, combine=done_slot is not None, done_slot=done_slot or 0, topk=K,
+                  combine_parts=combine_parts(H) if done_slot is not None else [1],
                   debug_break_dependency=debug_break_dependency,
                   doc="Routed gate/up (SwiGLU) and down projections in one launch"
                       + (", with the shared expert's." if S else "."))
