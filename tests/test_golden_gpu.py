@@ -210,6 +210,14 @@ def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
         out = mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False)
         mokgen.check_errors()
         assert torch.isfinite(out.float()).all()
+    # Every id garbage (any int32): the small calls' launch, the single launch and the per-GEMM
+    # path report it; none faults.
+    for T in (64, 1024, 4096):
+        x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], T, "uniform", gen)
+        garbage = torch.randint(-2**31, 2**31 - 1, ids.shape, device="cuda", dtype=torch.int32, generator=gen)
+        mokgen.moe(x, garbage, w, wg, wu, wd, check_ids=False)
+        with pytest.raises(InputError, match="outside \\[0, 64\\)"):
+            mokgen.check_errors()
     # the per-expert dispatch kernels (an experiment's build) report them too
     v = mokgen.load(built_path(spec_of(SHAPES[0]), experiment_dir("per_expert"), SAME_BITS_EXPERIMENTS["per_expert"]))
     v.forward(x, bad, w, wg, wu, wd)
