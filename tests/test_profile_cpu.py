@@ -1,0 +1,55 @@
+"""mokgen profile's reading of a single launch's task records (no GPU: synthetic rows)."""
+from mokgen.ir import PRESETS, MoESpec
+from mokgen.profile import format_summary, single_launch_kinds, summarize
+from mokgen.schedule import make_plan
+
+
+def _rows(sms: int, tiles: int, used_tiles: int, phase_ctas: int, combine_ctas: int) -> list:
+    """[sm, start_ns, end_ns] rows as a launch leaves them: phases per CTA, then tiles; unused rows zero."""
+    rows = [[0, 0, 0] for _ in range(2 * sms + tiles)]
+    for c in range(phase_ctas):
+        rows[c] = [c, 1000, 5000]
+    for c in range(combine_ctas):
+        rows[sms + c] = [c, 200_000, 203_000]
+    for t in range(used_tiles):
+        rows[2 * sms + t] = [t % sms, 6000 + 10 * t, 40_000 + 10 * t]
+    return rows
+
+
+def test_single_launch_records_split_by_phase_and_tile_kind():
+    plan = make_plan(PRESETS["olmoe"])
+    p = plan.kernel("gemm_fused_small").params
+    sms = plan.target["sms"]
+    n_gateup, n_down = p["n_size"] // p["tile_n"], p["n2_tiles"]
+    used = 64  # M tiles with rows: the first used * n_gateup tiles are gate/up, then the down tiles
+    rows = _rows(sms, 200 * (n_gateup + n_down), used * (n_gateup + n_down), sms, 128)
+    kinds = single_launch_kinds("gemm_fused_small", p, rows, 64, sms)
+    assert list(kinds) == ["gemm_fused_small dispatch", "gemm_fused_small gate/up tiles",
+                           "gemm_fused_small down tiles", "gemm_fused_small combine"]
+    assert len(kinds["gemm_fused_small dispatch"]) == sms and len(kinds["gemm_fused_small combine"]) == 128
+    assert len(kinds["gemm_fused_small gate/up tiles"]) == used * n_gateup
+    assert len(kinds["gemm_fused_small down tiles"]) == used * n_down
+    # in us from the launch's start, as collect returns them
+    records = {k: [(sm, (s - 1000) / 1e3, (e - 1000) / 1e3) for sm, s, e in r] for k, r in kinds.items()}
+    s = summarize(records, sms)
+    assert s["kernels"]["gemm_fused_small dispatch"]["start_us"] == 0.0
+    assert s["span_us"] == (203_000 - 1000) / 1e3
+    assert "gemm_fused_small combine" in format_summary("olmoe", 64, s)
+
+
+def test_single_launch_with_a_shared_expert_splits_its_tiles_too():
+    spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
+    plan = make_plan(spec)
+    p = plan.kernel("gemm_fused").params
+    sms, T = plan.target["sms"], 64
+    per_m = {"gateup": p["n_size"] // p["tile_n"], "down": p["n2_tiles"],
+             "shared_gateup": p["s_size"] // p["tile_n"], "shared_down": p["n2_tiles"]}
+    used, shared_m = 16, -(-T // p["tile_m"])
+    n = {t: per_m[t] * (shared_m if t.startswith("shared") else used) for t in p["tile_order"]}
+    rows = _rows(sms, sum(n.values()) + 50, sum(n.values()), 72, 32)
+    kinds = single_launch_kinds("gemm_fused", p, rows, T, sms)
+    labels = {"gateup": "gate/up tiles", "down": "down tiles", "shared_gateup": "shared gate/up tiles",
+              "shared_down": "shared down tiles"}
+    for t in p["tile_order"]:
+        assert len(kinds[f"gemm_fused {labels[t]}"]) == n[t], t
+    assert len(kinds["gemm_fused dispatch"]) == 72 and len(kinds["gemm_fused combine"]) == 32
