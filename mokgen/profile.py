@@ -43,8 +43,8 @@ def collect(variant, tokens: int, routing: str = "uniform", seed: int = 0, warmu
         if k not in variant.last_records:
             continue
         rows = variant.last_records[k].cpu().tolist()
-        if params[k].get("fused") and params[k].get("combine"):
-            raw.update(single_launch_kinds(k, params[k], rows, tokens, sms))
+        if params[k].get("prof_cta_rows"):
+            raw.update(single_launch_kinds(k, params[k], rows, tokens))
         else:
             raw[k] = [r for r in rows if r[2] > 0]
     raw = {k: rows for k, rows in raw.items() if rows}
@@ -57,12 +57,14 @@ KIND_LABELS = {"gateup": "gate/up tiles", "down": "down tiles", "shared_gateup":
                "shared_down": "shared down tiles"}
 
 
-def single_launch_kinds(name: str, p: dict, rows: list, tokens: int, sms: int) -> dict:
-    """A single launch's records (templates/grouped_gemm_persistent.py.j2, PROF_TILE0): rows
-    [0, sms) each CTA's dispatch phase (from the launch's start), [sms, 2 sms) its combine phase,
-    then one per tile at its claim index, whose kinds follow each other in the Plan's tile order
-    (p["tile_order"]). Returns {"<name> <what>": rows} in the order they run."""
-    tiles = rows[2 * sms:]
+def single_launch_kinds(name: str, p: dict, rows: list, tokens: int) -> dict:
+    """A single launch's records (templates/grouped_gemm_persistent.py.j2, PROF_CTA_ROWS): with
+    c = p["prof_cta_rows"], rows [0, c) each CTA's dispatch phase (from the launch's start),
+    [c, 2 c) its combine phase, then one per tile at its claim index, whose kinds follow each
+    other in the Plan's tile order (p["tile_order"]). Returns {"<name> <what>": rows} in the
+    order they run."""
+    cta_rows = p["prof_cta_rows"]
+    tiles = rows[2 * cta_rows:]
     valid = sum(1 for r in tiles if r[2] > 0)
     per_m = {"gateup": -(-p["n_size"] // p["tile_n"]), "down": p["n2_tiles"],
              "shared_gateup": p.get("s_size", 0) // p["tile_n"], "shared_down": p["n2_tiles"]}
@@ -70,7 +72,7 @@ def single_launch_kinds(name: str, p: dict, rows: list, tokens: int, sms: int) -
     shared_m = -(-tokens // p["tile_m"]) if p.get("s_size") else 0
     shared = sum(per_m[t] for t in order if t.startswith("shared")) * shared_m
     routed = sum(per_m[t] for t in order if not t.startswith("shared"))
-    out = {f"{name} dispatch": [r for r in rows[:sms] if r[2] > 0]}
+    out = {f"{name} dispatch": [r for r in rows[:cta_rows] if r[2] > 0]}
     if p.get("wave_lag"):  # gate/up and down tiles interleaved (the wavefront order)
         out[f"{name} tiles"] = [r for r in tiles if r[2] > 0]
     else:
@@ -80,7 +82,7 @@ def single_launch_kinds(name: str, p: dict, rows: list, tokens: int, sms: int) -
             n = per_m[t] * (shared_m if t.startswith("shared") else used)
             out[f"{name} {KIND_LABELS[t]}"] = [r for r in tiles[start:start + n] if r[2] > 0]
             start += n
-    out[f"{name} combine"] = [r for r in rows[sms:2 * sms] if r[2] > 0]
+    out[f"{name} combine"] = [r for r in rows[cta_rows:2 * cta_rows] if r[2] > 0]
     return out
 
 

@@ -17,13 +17,13 @@ def _rows(sms: int, tiles: int, used_tiles: int, phase_ctas: int, combine_ctas: 
 
 
 def test_single_launch_records_split_by_phase_and_tile_kind():
-    plan = make_plan(PRESETS["olmoe"])
+    plan = make_plan(PRESETS["olmoe"], overrides={"profile": True})
     p = plan.kernel("gemm_fused_small").params
     sms = plan.target["sms"]
     n_gateup, n_down = p["n_size"] // p["tile_n"], p["n2_tiles"]
     used = 64  # M tiles with rows: the first used * n_gateup tiles are gate/up, then the down tiles
     rows = _rows(sms, 200 * (n_gateup + n_down), used * (n_gateup + n_down), sms, 128)
-    kinds = single_launch_kinds("gemm_fused_small", p, rows, 64, sms)
+    kinds = single_launch_kinds("gemm_fused_small", p, rows, 64)
     assert list(kinds) == ["gemm_fused_small dispatch", "gemm_fused_small gate/up tiles",
                            "gemm_fused_small down tiles", "gemm_fused_small combine"]
     assert len(kinds["gemm_fused_small dispatch"]) == sms and len(kinds["gemm_fused_small combine"]) == 128
@@ -39,7 +39,7 @@ def test_single_launch_records_split_by_phase_and_tile_kind():
 
 def test_single_launch_with_a_shared_expert_splits_its_tiles_too():
     spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
-    plan = make_plan(spec)
+    plan = make_plan(spec, overrides={"profile": True})
     p = plan.kernel("gemm_fused").params
     sms, T = plan.target["sms"], 64
     per_m = {"gateup": p["n_size"] // p["tile_n"], "down": p["n2_tiles"],
@@ -47,7 +47,7 @@ def test_single_launch_with_a_shared_expert_splits_its_tiles_too():
     used, shared_m = 16, -(-T // p["tile_m"])
     n = {t: per_m[t] * (shared_m if t.startswith("shared") else used) for t in p["tile_order"]}
     rows = _rows(sms, sum(n.values()) + 50, sum(n.values()), 72, 32)
-    kinds = single_launch_kinds("gemm_fused", p, rows, T, sms)
+    kinds = single_launch_kinds("gemm_fused", p, rows, T)
     labels = {"gateup": "gate/up tiles", "down": "down tiles", "shared_gateup": "shared gate/up tiles",
               "shared_down": "shared down tiles"}
     for t in p["tile_order"]:

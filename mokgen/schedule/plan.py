@@ -685,6 +685,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                 if k.params.get("s_size"):  # the fused launch's shared-expert tiles
                     tasks[k.name] += s_tiles * (k.params["s_size"] // k.params["tile_n"] + k.params["n2_tiles"])
                 if k.params.get("fused") and k.params.get("combine"):  # each CTA's dispatch and combine phases
+                    k.params["prof_cta_rows"] = target.sms  # (rows before the tiles'; the grid is at most SMS)
                     tasks[k.name] += 2 * target.sms
         add_task_records(kernels, profiled, buffers, tasks)
         decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA; in a single launch "
