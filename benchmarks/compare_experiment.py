@@ -10,8 +10,10 @@ the median over rounds of the two builds' ratio within a round.
                                             [--rounds R] [--eager] [--json PATH]
 
 NAME is fused, cluster2, per_expert, multi, apart, wave or nosmall (the Plan without the small
-calls' 64-row launch); V defaults to the OLMoE layer. --eager
-also times both builds called directly (launch overhead included).
+calls' 64-row launch), or any other directory under generated/experiments; several names,
+comma-separated, are timed side by side in the same rounds, each against the default build.
+V defaults to the OLMoE layer. --eager also times the builds called directly (launch overhead
+included).
 """
 import argparse
 import json
@@ -36,44 +38,46 @@ args = ap.parse_args()
 
 plain = mokgen.load(args.variant)
 spec = plain.spec
-path = default_out() / "experiments" / args.name / args.variant
-if not (path / "build" / "libmokgen.so").exists():
-    sys.exit(f"{path} is not built: run benchmarks/build_gpu_variants.py")
-exp = Variant(path)
+names = args.name.split(",")
+exps = {}
+for name in names:
+    path = default_out() / "experiments" / name / args.variant
+    if not (path / "build" / "libmokgen.so").exists():
+        sys.exit(f"{path} is not built: run benchmarks/build_gpu_variants.py")
+    exps[name] = Variant(path)
 rows = []
 for T in [int(t) for t in args.tokens.split(",")]:
     x, ids, w, wg, wu, wd, shared = make_inputs(spec, T, "uniform", torch.Generator("cuda").manual_seed(T))
     w13, ws = baseline_weights(wg, wu, *shared)
-    impls = {
-        "default": _capture(lambda: plain.forward(x, ids, w, wg, wu, wd, *shared)).replay,
-        args.name: _capture(lambda: exp.forward(x, ids, w, wg, wu, wd, *shared)).replay,
-        "torch_grouped_mm": lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate, ws),
-    }
+    impls = {"default": _capture(lambda: plain.forward(x, ids, w, wg, wu, wd, *shared)).replay}
+    for name, exp in exps.items():
+        impls[name] = _capture(lambda exp=exp: exp.forward(x, ids, w, wg, wu, wd, *shared)).replay
+    impls["torch_grouped_mm"] = lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate, ws)
     if args.eager:
         impls["default eager"] = lambda: plain.forward(x, ids, w, wg, wu, wd, *shared)
-        impls[f"{args.name} eager"] = lambda: exp.forward(x, ids, w, wg, wu, wd, *shared)
+        for name, exp in exps.items():
+            impls[f"{name} eager"] = lambda exp=exp: exp.forward(x, ids, w, wg, wu, wd, *shared)
     best = time_rounds(impls, args.rounds, rows, T=T)
-    same = torch.equal(plain.forward(x, ids, w, wg, wu, wd, *shared), exp.forward(x, ids, w, wg, wu, wd, *shared))
-    line = f"T={T:6d}  default {best['default']:.3f} ms  {args.name} {best[args.name]:.3f} ms " \
-           f"({best['default'] / best[args.name]:.3f}x, same bits: {same})"
-    if "torch_grouped_mm" in best:
-        line += f"  torch grouped_mm {best['torch_grouped_mm']:.3f} ms ({args.name} " \
-                f"{best['torch_grouped_mm'] / best[args.name]:.2f}x, default " \
-                f"{best['torch_grouped_mm'] / best['default']:.2f}x)"
-    if args.eager:
-        line += f"  eager: default {best['default eager']:.3f} ms  {args.name} {best[args.name + ' eager']:.3f} ms " \
-                f"({best['default eager'] / best[args.name + ' eager']:.3f}x)"
-    # The ratio within each round (the two builds timed moments apart), median over rounds:
-    # steadier than the best rounds' ratio where the clock drifts with power.
-    per_round = {}
-    for r in rows:
-        if r.get("T") == T and r["impl"] in ("default", args.name):
-            per_round.setdefault(r["round"], {})[r["impl"]] = r["ms"]
-    ratios = sorted(v["default"] / v[args.name] for v in per_round.values() if len(v) == 2)
-    if ratios:
-        line += f"  per-round ratio median {ratios[len(ratios) // 2]:.3f}x ({', '.join(f'{x:.3f}' for x in ratios)})"
+    ref = plain.forward(x, ids, w, wg, wu, wd, *shared)
+    line = f"T={T:6d}  default {best['default']:.3f} ms  torch grouped_mm {best['torch_grouped_mm']:.3f} ms " \
+           f"(default {best['torch_grouped_mm'] / best['default']:.2f}x)"
+    for name, exp in exps.items():
+        same = torch.equal(ref, exp.forward(x, ids, w, wg, wu, wd, *shared))
+        line += f"\n          {name} {best[name]:.3f} ms ({best['default'] / best[name]:.3f}x default, " \
+                f"{best['torch_grouped_mm'] / best[name]:.2f}x torch, same bits: {same})"
+        if args.eager:
+            line += f", eager {best[name + ' eager']:.3f} ms against {best['default eager']:.3f}"
+        # The ratio within each round (the two builds timed moments apart), median over rounds:
+        # steadier than the best rounds' ratio where the clock drifts with power.
+        per_round = {}
+        for r in rows:
+            if r.get("T") == T and r["impl"] in ("default", name):
+                per_round.setdefault(r["round"], {})[r["impl"]] = r["ms"]
+        ratios = sorted(v["default"] / v[name] for v in per_round.values() if len(v) == 2)
+        if ratios:
+            line += f"; per-round ratio median {ratios[len(ratios) // 2]:.3f}x ({', '.join(f'{x:.3f}' for x in ratios)})"
     print(line, flush=True)
 if args.json:
     with open(args.json, "w") as f:
-        json.dump(dict(variant=args.variant, experiment=args.name, device=torch.cuda.get_device_name(),
+        json.dump(dict(variant=args.variant, experiments=names, device=torch.cuda.get_device_name(),
                        rows=rows), f, indent=1)

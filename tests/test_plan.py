@@ -449,6 +449,17 @@ def test_single_launch_combine_spreads_each_row_over_warps():
     ep = make_plan(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, world_size=2, topology="nvlink"),
                    overrides={"ep_fused_combine": True})
     assert ep.kernel("gemm_fused").params["combine"] and ep.kernel("gemm_fused").params["combine_parts"] == [1]
+    # how far a lane's pieces are unrolled: the Plan's constant, or the override, in every launch that combines
+    from mokgen.schedule.plan import COMBINE_UNROLL
+
+    names = ("gemm_fused", "gemm_fused_small", "gemm_fused_routed", "gemm_fused_small_routed")
+    assert all(p.kernel(n).params["combine_unroll"] == COMBINE_UNROLL for n in names)
+    four = make_plan(PRESETS["olmoe"], overrides={"combine_unroll": 4})
+    assert all(four.kernel(n).params["combine_unroll"] == 4 for n in names)
+    assert "combine_unroll" not in four.kernel("gemm_gateup").params
+    for bad in (0, 9, True):
+        with pytest.raises(PlanError, match="combine_unroll"):
+            make_plan(PRESETS["olmoe"], overrides={"combine_unroll": bad})
 
 
 def test_fused_gemms_plan_links_the_tiles_through_counters():

@@ -86,6 +86,7 @@ DOWN = 1
 # The combine's tasks: (token row, part) pairs; the launch splits rows into the most of these
 # part counts that gives no warp two tasks (mokgen/schedule/plan.py, combine_parts).
 COMBINE_PARTS = [1, 2, 4, 8]
+COMBINE_UNROLL = 2  # a lane's pieces of a task loaded (from all K rows) before they are summed
 DONE_SLOT = 11  # tile_counter entry: finished down tiles (the combine waits for all)
 TOPK = 8
 COMBINE_EXPERTS = GROUPS  # ids outside [0, COMBINE_EXPERTS) contribute nothing
@@ -1076,9 +1077,9 @@ class GemmFused:
             cute.arch.fence_acq_rel_gpu()  # thread 0's acquire covers this thread's reads of y
             # One (token row, part) task per consumer warp at a time (tasks CTA * warps + warp,
             # then strided by all the launch's consumer warps); the task's K ids, positions and
-            # weights are read once, and each lane keeps up to 2 x TOPK row loads in flight: this
-            # CTA has only its consumer warps to hide the latency of y, where a combine kernel has
-            # a full SM of them.
+            # weights are read once, and each lane keeps up to COMBINE_UNROLL x TOPK row loads in
+            # flight: this CTA has only its consumer warps to hide the latency of y, where a combine
+            # kernel has a full SM of them.
             block, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
             lane = cute.arch.lane_idx()
@@ -1104,7 +1105,7 @@ class GemmFused:
                     if e < 0 or e >= COMBINE_EXPERTS:  # out-of-range ids contribute nothing
                         rows_w[k] = 0.0
                         rows_pos[k] = -1
-                for col in cutlass.range(part * part_vecs + lane, (part + 1) * part_vecs, 32, unroll=2):
+                for col in cutlass.range(part * part_vecs + lane, (part + 1) * part_vecs, 32, unroll=COMBINE_UNROLL):
                     acc = cute.make_rmem_tensor((1, VEC), cutlass.Float32)
                     acc.fill(0.0)
                     for k in cutlass.range_constexpr(TOPK):

@@ -668,6 +668,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                                     slots.index("xs_copy") if "xs_copy" in slots else None)
         if ep and exchange[1]:
             side_stream += ["ep_send_bwd", "ep_send_bwd_grad", "ep_send_bwd_x", "ep_return_bwd"]
+    for k in kernels:
+        if k.params.get("combine") and "combine_unroll" in (overrides or {}):
+            k.params = dict(k.params, combine_unroll=overrides["combine_unroll"])
     profile = bool((overrides or {}).get("profile"))
     # The kernels that record: every forward path's (the per-GEMM path, the single launch and
     # the small calls' launch; not the routing twins, which run the same tiles).
@@ -848,6 +851,12 @@ def fused_misfit(H: int, I: int, S: int, tile_n: int) -> str | None:
     return None
 
 
+# A combine task's 16-byte pieces that each lane loads (from all K rows) before it sums them (the
+# loop over a task's pieces is unrolled this far): 2 x TOPK loads in flight per lane. 4 measured
+# level with 2 (E64 T = 64-2048, E40; docs/perf.md); override combine_unroll.
+COMBINE_UNROLL = 2
+
+
 def combine_parts(hidden: int) -> list[int]:
     """How many parts the single launch's combine may split a token row into, one (row, part)
     task per warp: the divisors of hidden / (32 lanes x VEC). The launch takes the most parts
@@ -878,6 +887,7 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
                   n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot, s_size=S, shared_slot=shared_slot,
                   sched_slot=sched_slot, combine=done_slot is not None, done_slot=done_slot or 0, topk=K,
                   combine_parts=combine_parts(H) if done_slot is not None else [1],
+                  combine_unroll=COMBINE_UNROLL,
                   debug_break_dependency=debug_break_dependency,
                   doc="Routed gate/up (SwiGLU) and down projections in one launch"
                       + (", with the shared expert's." if S else "."))
@@ -968,7 +978,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
-                           r"|ep_fused_combine|dispatch_in_launch|fused_small"
+                           r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down|gemm_fused_small)"
                            r"\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
@@ -992,7 +1002,8 @@ def check_overrides(overrides: dict) -> None:
         if ((key == "row_tile" and value not in (64, 128)) or (key == "wait_timeout_ms" and value < 1)
                 or (key == "cluster_m" and value not in (1, 2))
                 or (key.endswith(".epi_stages") and value not in range(1, 9))
-                or (key == "gemm_fused.wave_lag" and value < 0)):  # (0: every gate/up tile first)
+                or (key == "gemm_fused.wave_lag" and value < 0)
+                or (key == "combine_unroll" and value not in range(1, 9))):  # (0: every gate/up tile first)
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
 
 
