@@ -8,7 +8,7 @@ path the Plan takes at the given T (so at small T the single launch), reads the 
 reports per kernel (a single launch per phase and tile kind): tasks, time span and median
 task time.
 Per SM it reports busy time (the union of its task intervals) and idle time inside the
-forward's span. It draws one horizontal bar per task, per SM, as a PNG.
+forward's span, and per launch the tail of its tiles (how far apart its SMs' last tiles end). It draws one horizontal bar per task, per SM, as a PNG.
 
 globaltimer ticks are coarse on some GPUs (about 1 us). The figures are for seeing
 where the time goes; the benchmark figures come from `mokgen bench`.
@@ -95,6 +95,30 @@ def _union(intervals) -> float:
     return total
 
 
+def tile_groups(records: dict) -> dict:
+    """The record kinds that are GEMM tiles, grouped per launch: a single launch's tile kinds
+    ("<launch> gate/up tiles", ...) together, each per-GEMM kernel on its own."""
+    groups: dict[str, list] = {}
+    labels = set(KIND_LABELS.values()) | {"tiles"}
+    for k, rows in records.items():
+        launch, _, what = k.partition(" ")
+        if what in labels or (not what and k.startswith(("gemm_", "shared_", "bwd_dgrad", "bwd_recompute",
+                                                             "wgrad_"))):
+            groups.setdefault(launch, []).extend(rows)
+    return groups
+
+
+def tail(rows) -> dict:
+    """How unevenly a launch's SMs finish their tiles: the first and the last SM's last tile end
+    (us) and how long before the last one an SM's last tile ends on average (the tail: SM time
+    the launch's last units leave idle, which finer last units would shorten)."""
+    last: dict[int, float] = {}
+    for sm, _, e in rows:
+        last[sm] = max(last.get(sm, e), e)
+    ends = list(last.values())
+    return dict(first_end_us=min(ends), last_end_us=max(ends), mean_before_last_us=max(ends) - statistics.mean(ends))
+
+
 def summarize(records: dict, sms: int) -> dict:
     span = max(e for rows in records.values() for _, _, e in rows)
     kernels = {}
@@ -104,7 +128,8 @@ def summarize(records: dict, sms: int) -> dict:
     busy = [_union([(s, e) for rows in records.values() for sm, s, e in rows if sm == i]) for i in range(sms)]
     idle = [span - b for b in busy]
     return dict(span_us=span, kernels=kernels, sm_busy_us=busy, idle_us_total=sum(idle),
-                idle_fraction=sum(idle) / (span * sms))
+                idle_fraction=sum(idle) / (span * sms),
+                tails={g: tail(rows) for g, rows in tile_groups(records).items()})
 
 
 def format_summary(name: str, tokens: int, summary: dict) -> str:
@@ -116,6 +141,9 @@ def format_summary(name: str, tokens: int, summary: dict) -> str:
                      f"{s['median_task_us']:15.2f}")
     lines.append(f"  idle SM time inside the span: {summary['idle_us_total'] / 1e3:.2f} SM-ms "
                  f"({100 * summary['idle_fraction']:.1f}% of {len(summary['sm_busy_us'])} SMs x span)")
+    for g, t in summary.get("tails", {}).items():
+        lines.append(f"  tail of {g}: SMs' last tiles end {t['first_end_us']:.1f}-{t['last_end_us']:.1f} us, "
+                     f"{t['mean_before_last_us']:.1f} us before the last on average")
     return "\n".join(lines)
 
 

@@ -35,6 +35,26 @@ def test_single_launch_records_split_by_phase_and_tile_kind():
     assert s["kernels"]["gemm_fused_small dispatch"]["start_us"] == 0.0
     assert s["span_us"] == (203_000 - 1000) / 1e3
     assert "gemm_fused_small combine" in format_summary("olmoe", 64, s)
+    # the tail: one group for the launch's tiles of both kinds; the dispatch and combine are not tiles
+    assert list(s["tails"]) == ["gemm_fused_small"]
+    ends = {}
+    for k in ("gemm_fused_small gate/up tiles", "gemm_fused_small down tiles"):
+        for sm, _, e in records[k]:
+            ends[sm] = max(ends.get(sm, e), e)
+    t = s["tails"]["gemm_fused_small"]
+    assert t["last_end_us"] == max(ends.values()) and t["first_end_us"] == min(ends.values())
+    assert abs(t["mean_before_last_us"] - (max(ends.values()) - sum(ends.values()) / len(ends))) < 1e-9
+    assert "tail of gemm_fused_small" in format_summary("olmoe", 64, s)
+
+
+def test_tail_groups_per_gemm_kernels_apart():
+    from mokgen.profile import tile_groups
+
+    records = {"dispatch_count": [(0, 0.0, 1.0)], "gemm_gateup": [(0, 1.0, 5.0), (1, 1.0, 9.0)],
+               "gemm_down": [(0, 9.0, 12.0)], "combine": [(1, 12.0, 13.0)]}
+    assert sorted(tile_groups(records)) == ["gemm_down", "gemm_gateup"]
+    s = summarize(records, 2)
+    assert s["tails"]["gemm_gateup"] == dict(first_end_us=5.0, last_end_us=9.0, mean_before_last_us=2.0)
 
 
 def test_single_launch_with_a_shared_expert_splits_its_tiles_too():
