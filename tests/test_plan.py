@@ -462,6 +462,19 @@ def test_single_launch_combine_spreads_each_row_over_warps():
             make_plan(PRESETS["olmoe"], overrides={"combine_unroll": bad})
 
 
+def test_small_launch_counts_every_expert_in_each_cta():
+    """The small calls' launch (and its routing twin) counts every expert's pairs in each CTA; the
+    128-row launch keeps one expert per CTA and a launch-wide counter; the override sets both."""
+    names = ("gemm_fused", "gemm_fused_routed", "gemm_fused_small", "gemm_fused_small_routed")
+    p = make_plan(PRESETS["olmoe"])
+    assert [p.kernel(n).params["dispatch"]["local_count"] for n in names] == [False, False, True, True]
+    for value in (True, False):
+        q = make_plan(PRESETS["olmoe"], overrides={"launch_local_count": value})
+        assert all(q.kernel(n).params["dispatch"]["local_count"] is value for n in names)
+    with pytest.raises(PlanError, match="launch_local_count"):
+        make_plan(PRESETS["olmoe"], overrides={"launch_local_count": 1})
+
+
 def test_fused_gemms_plan_links_the_tiles_through_counters():
     spec = PRESETS["olmoe"]
     p = make_plan(spec, overrides={"fuse_gemms": True})
@@ -553,7 +566,9 @@ def test_small_calls_run_the_single_launch_with_64_row_tiles():
     assert p.small_max_tokens == SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk == 384
     assert p.steps["forward_small"] == ["gemm_fused_small"]
     assert p.steps["forward_routed_small"] == ["gemm_fused_small_routed"]
-    small, rt64 = p.kernel("gemm_fused_small").params, make_plan(spec, overrides={"row_tile": 64}).kernel("gemm_fused")
+    # (the row_tile 64 build's launch with each CTA counting every expert, as the small launch does)
+    small = p.kernel("gemm_fused_small").params
+    rt64 = make_plan(spec, overrides={"row_tile": 64, "launch_local_count": True}).kernel("gemm_fused")
     assert small["tile_m"] == SMALL_ROW_TILE == small["row_align"] == small["dispatch"]["tile_m"]
     assert {k: v for k, v in small.items() if k not in ("name", "class_name", "doc")} == \
         {k: v for k, v in rt64.params.items() if k not in ("name", "class_name", "doc")}

@@ -563,11 +563,12 @@ def dispatch_in_launch(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, 
                              scalars, tidx)
     if failed:  # the counts may be incomplete: place nothing
         mine = cutlass.Int32(0)
+    counts_seen = counts
     for i in cutlass.range(mine, unroll=1):
-        scatter_expert(ids, counts, block + i * grid, pos, row_token, tile_expert, tile_counter, h_ready, tidx,
+        scatter_expert(ids, counts_seen, block + i * grid, pos, row_token, tile_expert, tile_counter, h_ready, tidx,
                        warp_buf, scalars)
     if tidx < 32:
-        _, used, _ = expert_prefix(counts, 0, tidx)
+        _, used, _ = expert_prefix(counts_seen, 0, tidx)
         if tidx == 0:
             scalars[0] = used
     failed = arrive_and_wait(launch_sync, SYNC_PLACED, mine, D_EXPERTS, status, failed, scalars, tidx)

@@ -446,7 +446,7 @@ def arrive_and_wait(launch_sync: cute.Tensor, which: cutlass.Constexpr, add: cut
 @cute.jit
 def dispatch_in_launch(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, row_token: cute.Tensor,
                        tile_expert: cute.Tensor, h_ready: cute.Tensor, tile_counter: cute.Tensor,
-                       launch_sync: cute.Tensor, warp_buf: cute.Tensor, scalars: cute.Tensor,
+                       launch_sync: cute.Tensor, warp_buf: cute.Tensor, scalars: cute.Tensor, hist: cute.Tensor,
                        tidx: cutlass.Int32):
     """The launch's first phases, every thread of every CTA taking part:
     count: CTA b counts experts b, b + grid, ... (CTA 0 first zeroes tile_counter: the tile
@@ -467,20 +467,25 @@ def dispatch_in_launch(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, 
         for i in cutlass.range(tidx, cute.size(tile_counter), THREADS, unroll=1):
             tile_counter[i] = 0
     failed = cutlass.Boolean(False)
+    # count: this CTA counts every expert's pairs itself (shared-memory atomics; integer sums,
+    # so the order does not matter), and the experts it places are copied to counts for later
+    # readers. Every CTA has every count at once: no launch-wide counter before placing.
+    for e in cutlass.range(tidx, D_EXPERTS, THREADS, unroll=1):
+        hist[e] = 0
+    cute.arch.sync_threads()
+    for i in cutlass.range(tidx, cute.size(ids), THREADS, unroll=D_ITEMS):
+        idv = ids[i]
+        if idv >= 0 and idv < D_EXPERTS:
+            cute.arch.atomic_add(hist.iterator + idv, cutlass.Int32(1), sem="relaxed", scope="cta")
+    cute.arch.sync_threads()
+    if tidx < mine:
+        counts[block + tidx * grid] = hist[block + tidx * grid]
+    counts_seen = hist
     for i in cutlass.range(mine, unroll=1):
-        e = block + i * grid
-        total = count_expert(ids, e, tidx, warp_buf)
-        if tidx == 0:
-            counts[e] = total
-    failed = arrive_and_wait(launch_sync, SYNC_COUNTED, mine, D_EXPERTS, status, failed,
-                             scalars, tidx)
-    if failed:  # the counts may be incomplete: place nothing
-        mine = cutlass.Int32(0)
-    for i in cutlass.range(mine, unroll=1):
-        scatter_expert(ids, counts, block + i * grid, pos, row_token, tile_expert, tile_counter, h_ready, tidx,
+        scatter_expert(ids, counts_seen, block + i * grid, pos, row_token, tile_expert, tile_counter, h_ready, tidx,
                        warp_buf, scalars)
     if tidx < 32:
-        _, used, _ = expert_prefix(counts, 0, tidx)
+        _, used, _ = expert_prefix(counts_seen, 0, tidx)
         if tidx == 0:
             scalars[0] = used
     failed = arrive_and_wait(launch_sync, SYNC_PLACED, mine, D_EXPERTS, status, failed, scalars, tidx)
@@ -619,6 +624,7 @@ class GemmFusedSmall:
             sched_tile: cute.struct.MemRange[cutlass.Int32, SCHED_STAGES]
             d_warp: cute.struct.MemRange[cutlass.Int32, THREADS // 32]  # the dispatch phase's warp totals
             d_scalars: cute.struct.MemRange[cutlass.Int32, 2]
+            d_hist: cute.struct.MemRange[cutlass.Int32, D_EXPERTS]  # every expert's pairs, counted by this CTA
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.io_dtype, cute.cosize(self.a_smem_staged)], self.buffer_align_bytes
             ]
@@ -707,7 +713,7 @@ class GemmFusedSmall:
         m_tiles_total, dispatch_failed = dispatch_in_launch(
             ids_flat, counts, pos_flat, row_token, tile_expert, h_ready, tile_counter, launch_sync,
             storage.d_warp.get_tensor(cute.make_layout(THREADS // 32)), storage.d_scalars.get_tensor(cute.make_layout(2)),
-            tidx)
+            storage.d_hist.get_tensor(cute.make_layout(D_EXPERTS)), tidx)
         b_bytes = NUM_B * cute.size_in_bytes(self.io_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
         # Full barriers: the TMA thread (+ B bytes) and one arrive per producer warp
         # once its gathered A rows have landed. Empty barriers: one arrive per consumer warp.

@@ -556,7 +556,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             m_tiles_s = sympy.ceiling(T * K / SMALL_ROW_TILE) + E
             buffers += [Buffer("tile_expert_s", "i32", [_expr(m_tiles_s)]),
                         Buffer("h_ready_s", "i32", [_expr(m_tiles_s)])]
-            dispatch_in_launch(small, dict(dparams, tile_m=SMALL_ROW_TILE), overrides or {}, [])  # (launch_sync shared)
+            # (launch_sync shared). Its CTAs count every expert themselves: 3.7 against 5.2 us of
+            # dispatch phase at E64 T=64, 1.01x the call there and 1.05x at E40 (docs/perf.md);
+            # the 128-row launch's calls (T up to 2048) keep one expert per CTA, level at T=1024.
+            dispatch_in_launch(small, dict(dparams, tile_m=SMALL_ROW_TILE), overrides or {}, [], local_count=True)
             kernels.append(small)
             steps["forward_small"] = ["gemm_fused_small"]
             kernels.append(routed_launch(small, spec))
@@ -567,7 +570,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                 "(it dispatches, runs every gate/up and down tile and "
                 f"combines: the same bits) with {sp['tile_m']}x{sp['tile_n']}x{sp['tile_k']} tiles, {sp['stages']} "
                 f"stages, 1 producer + {sp['mma_warpgroups']} MMA warpgroup(s): an expert's few rows fill more of a "
-                "tile, and one stage more of weights is in flight per SM")
+                "tile, and one stage more of weights is in flight per SM; each of its CTAs counts every expert's "
+                "pairs itself (shared memory), so no launch-wide counter stands between counting and placing")
         decisions.append(
             f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
             f"tiles, then all down tiles); a down tile waits until h_ready[m] counts the "
@@ -912,18 +916,22 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
                       smem_bytes=gateup.smem_bytes)
 
 
-def dispatch_in_launch(fused: KernelPlan, dparams: dict, overrides: dict, buffers: list) -> bool:
+def dispatch_in_launch(fused: KernelPlan, dparams: dict, overrides: dict, buffers: list,
+                       local_count: bool = False) -> bool:
     """The single-GPU fused launch dispatches too (override dispatch_in_launch: false keeps
     the two dispatch kernels before it). It needs the launch to combine (it writes the
     positions the combine reads) and takes the dispatch's Plan params, its counts and a
     launch_sync buffer (its counters, zeroed once by the runtime and left zeroed by every
-    launch)."""
+    launch). local_count: each CTA counts every expert's pairs itself in shared memory, so no
+    launch-wide counter stands between counting and placing (override launch_local_count
+    sets it for every single launch)."""
     if not overrides.get("dispatch_in_launch", True) or not fused.params.get("combine"):
         if overrides.get("debug_break_dispatch"):
             raise PlanError("debug_break_dispatch: this Plan's single launch does not dispatch")
         return False
     sync = dispatch_phase(fused, dparams, buffers, fused_tables=True,
                           debug_break=bool(overrides.get("debug_break_dispatch")))
+    fused.params["dispatch"]["local_count"] = bool(overrides.get("launch_local_count", local_count))
     fused.args += [KernelArg("counts", "counts", "i32", [dparams["experts"]]), sync]
     return True
 
@@ -978,7 +986,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
-                           r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll"
+                           r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down|gemm_fused_small)"
                            r"\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
@@ -993,7 +1001,7 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
         if key in ("debug_unchecked", "debug_break_dependency", "debug_break_dispatch", "profile", "fuse_gemms", "dispatch_chunked",
                    "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch",
-                   "fused_small"):
+                   "fused_small", "launch_local_count"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
