@@ -531,9 +531,9 @@ def dispatch_in_launch(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, 
     """The launch's first phases, every thread of every CTA taking part:
     route: one token per warp of the launch (ids, weights), then every CTA waits until
     launch_sync[SYNC_ROUTED] counts all of them;
-    count: CTA b counts experts b, b + grid, ... (CTA 0 first zeroes tile_counter: the tile
-    schedulers, the completion counters and the error code), then waits until
-    launch_sync[SYNC_COUNTED] says every expert is counted;
+    count: every CTA counts every expert's pairs into shared memory (CTA 0 first zeroes
+    tile_counter: the tile schedulers, the completion counters and the error code) and copies
+    the counts of the experts it places (b, b + grid, ...) to counts: no launch-wide wait;
     place: it places the same experts, then waits until launch_sync[SYNC_PLACED] says every
     expert is placed; then the tiles may start.
     Every wait is bounded (on timeout: the error code, and no further phase, tile or
