@@ -8,7 +8,8 @@ path the Plan takes at the given T (so at small T the single launch), reads the 
 reports per kernel (a single launch per phase and tile kind): tasks, time span and median
 task time.
 Per SM it reports busy time (the union of its task intervals) and idle time inside the
-forward's span, and per launch the tail of its tiles (how far apart its SMs' last tiles end). It draws one horizontal bar per task, per SM, as a PNG.
+forward's span, and per launch the tail of its tiles (how far apart its SMs' last tiles end).
+It draws one horizontal bar per task, per SM, as a PNG.
 
 globaltimer ticks are coarse on some GPUs (about 1 us). The figures are for seeing
 where the time goes; the benchmark figures come from `mokgen bench`.

@@ -1010,8 +1010,8 @@ def check_overrides(overrides: dict) -> None:
         if ((key == "row_tile" and value not in (64, 128)) or (key == "wait_timeout_ms" and value < 1)
                 or (key == "cluster_m" and value not in (1, 2))
                 or (key.endswith(".epi_stages") and value not in range(1, 9))
-                or (key == "gemm_fused.wave_lag" and value < 0)
-                or (key == "combine_unroll" and value not in range(1, 9))):  # (0: every gate/up tile first)
+                or (key == "gemm_fused.wave_lag" and value < 0)  # (0: every gate/up tile first)
+                or (key == "combine_unroll" and value not in range(1, 9))):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
 
 
