@@ -225,6 +225,43 @@ def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
         v.check_errors()
 
 
+@pytest.mark.parametrize("T", [64, 1000, 4096])
+def test_device_errors_reach_the_host_from_graph_replays_and_the_next_call(T, gen):
+    """The status mirror (the one-thread launch behind every call) writes a set error code to
+    the pinned host word: a replay of a captured call with bad ids raises at check_errors and
+    again at the next call once it has finished, a clean replay after it raises nothing, and a
+    clean call leaves the word at 0 (every path: the small calls' launch, the single launch,
+    the per-GEMM path)."""
+    import mokgen
+    from mokgen.runtime import InputError
+
+    v = mokgen.load(spec_of(SHAPES[0]))
+    assert "status" in v.plan["steps"]
+    x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], T, "uniform", gen)
+    v.forward(x, ids, w, wg, wu, wd)
+    v.check_errors()
+    assert int(v._status_host[0]) == 0
+    good = ids.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        v.forward(x, ids, w, wg, wu, wd)
+    ids[T // 2, 1] = 64
+    g.replay()
+    with pytest.raises(InputError, match="outside \\[0, 64\\)"):
+        v.check_errors()
+    ids.copy_(good)
+    g.replay()
+    v.check_errors()
+    ids[0, 0] = 100
+    g.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(InputError, match="outside \\[0, 64\\)"):
+        v.forward(x, good, w, wg, wu, wd)  # (checked before it launches: raises, launches nothing)
+    out = v.forward(x, good, w, wg, wu, wd)
+    v.check_errors()
+    assert torch.isfinite(out.float()).all()
+
+
 @pytest.mark.parametrize("T", [7, 1000, 4096, 16384])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
 def test_empty_slots_golden(shape, T, gen):

@@ -28,7 +28,7 @@ def test_rendered_modules_are_python_and_manifest_is_complete():
     plan = make_plan(spec)
     files = render(plan)
     forward = {"route.py", "route_backward.py", "dispatch.py", "gemm_gateup.py", "gemm_down.py", "shared_gateup.py", "shared_down.py",
-               "gemm_fused.py", "gemm_fused_routed.py", "combine.py", "launch.c", "manifest.json"}
+               "gemm_fused.py", "gemm_fused_routed.py", "combine.py", "status_mirror.py", "launch.c", "manifest.json"}
     training = {f"{k}.py" for k in ("gemm_gateup_train", "shared_gateup_train", "bwd_recompute", "bwd_dgrad_down",
                                     "bwd_swiglu", "bwd_dgrad_gateup", "bwd_shared_recompute", "bwd_shared_dgrad_down",
                                     "bwd_shared_swiglu", "bwd_shared_dgrad_gateup", "bwd_combine", "wgrad_down",

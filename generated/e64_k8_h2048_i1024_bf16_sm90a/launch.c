@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include "route.h"
 #include "route_backward.h"
+#include "status_mirror.h"
 #include "dispatch_count.h"
 #include "dispatch_scatter.h"
 #include "gemm_gateup.h"
@@ -68,6 +69,23 @@ int mokgen_route_backward_launch(void **data, const int32_t *dyn, void *stream) 
     mokgen_route_backward_Tensor_d_weights_t arg_d_weights = {data[2], {dyn[2]}};
     mokgen_route_backward_Tensor_d_logits_t arg_d_logits = {data[3], {dyn[3]}};
     return cute_dsl_mokgen_route_backward_wrapper(&mod_route_backward, &arg_logits, &arg_ids, &arg_d_weights, &arg_d_logits, (cudaStream_t)stream);
+}
+
+/* status_mirror: status stage, status_mirror.py:main */
+static mokgen_status_mirror_Kernel_Module_t mod_status_mirror;
+static pthread_once_t once_status_mirror = PTHREAD_ONCE_INIT;
+static int load_err_status_mirror = 0;
+static void load_status_mirror(void) {
+    mokgen_status_mirror_Kernel_Module_Load(&mod_status_mirror);
+    load_err_status_mirror = (int)cudaGetLastError();
+}
+int mokgen_status_mirror_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_status_mirror, load_status_mirror);
+    if (load_err_status_mirror) return load_err_status_mirror;
+    (void)dyn;
+    mokgen_status_mirror_Tensor_tile_counters_t arg_tile_counters = {data[0]};
+    mokgen_status_mirror_Tensor_status_host_t arg_status_host = {data[1]};
+    return cute_dsl_mokgen_status_mirror_wrapper(&mod_status_mirror, &arg_tile_counters, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* dispatch_count: send stage, dispatch.py:count */

@@ -44,7 +44,8 @@ def _context_key(template: str) -> str:
             "combine.py.j2": "c", "route.py.j2": "r", "route_backward.py.j2": "r", "swiglu_backward.py.j2": "s",
             "ep_exchange.py.j2": "p", "grouped_gemm_fp8.py.j2": "k", "quantize_rows_fp8.py.j2": "q",
             "swiglu_backward_fp8.py.j2": "s", "quantize_cols_fp8.py.j2": "q",
-            "grouped_gemm_fp8_wgrad.py.j2": "k", "quantize_blocks_fp8.py.j2": "q"}[template]
+            "grouped_gemm_fp8_wgrad.py.j2": "k", "quantize_blocks_fp8.py.j2": "q",
+            "status_mirror.py.j2": "m"}[template]
 
 
 def _includes(k: KernelPlan) -> list[str]:

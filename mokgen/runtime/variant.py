@@ -177,8 +177,10 @@ class Variant:
         self.profiling = bool(self.plan.get("overrides", {}).get("profile"))
         self.last_records: dict = {}
         # The call's error code (0: none; a GEMM wait that timed out, or ids dispatch found out
-        # of range) lands in the last tile_counters entry; each call copies it to pinned host
-        # memory behind its kernels, checked without a sync.
+        # of range) lands in the last tile_counters entry; behind each call's kernels the
+        # one-thread status_mirror launch writes it, when set, to a pinned host word (the device
+        # addresses it directly), checked without a sync. (Builds from before that launch
+        # copy the entry instead.)
         self._status_slot = next((k["params"]["status_slot"] for k in self.plan["kernels"]
                                   if "status_slot" in k["params"]), None)
         self._gemm_by_slot = {}  # (the fused launch and its routing twin share a slot: only one runs per call)
@@ -277,7 +279,11 @@ class Variant:
             return
         if self._status_host is None:
             self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self._status_host.copy_(env["tile_counters"][self._status_slot:self._status_slot + 1], non_blocking=True)
+        counters = env["tile_counters"]
+        if "status" in self.plan["steps"]:
+            self.run("status", dict(tile_counters=counters, status_host=self._status_host), counters.device)
+        else:
+            self._status_host.copy_(counters[self._status_slot:self._status_slot + 1], non_blocking=True)
         if not torch.cuda.is_current_stream_capturing():
             if self._status_event is None:  # one event, recorded again by every call
                 self._status_event = torch.cuda.Event()

@@ -469,12 +469,14 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                                                                         dgrad_gateup, quantize_x_t, quantize_dout_t,
                                                                         wgrad_down, wgrad_gateup, swiglu_w,
                                                                         quantize_hw_t, quantize_dab_t,
-                                                                        quantize_w13, quantize_w_down, gateup_train],
+                                                                        quantize_w13, quantize_w_down, gateup_train,
+                                                                        twin_gemms["status_mirror"]],
         steps={**{k.name: [k.name] for k in (quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu,
                                              dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down, wgrad_gateup)},
                "forward": forward, "backward_data": backward_data, "backward_fp8": backward_fp8,
                "quantize_experts": ["quantize_w13_fp8", "quantize_w_down_fp8"],
-               "forward_train": forward_train, "backward_fp8_saved": backward_fp8_saved},
+               "forward_train": forward_train, "backward_fp8_saved": backward_fp8_saved,
+               "status": ["status_mirror"]},
         flops=twin.flops,
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
                    "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "

@@ -357,6 +357,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
               KernelArg("d_logits", "d_logits", "f32", ["T", spec.experts])],
         grid=f"(ceil(T/{route_threads // 32}),)", block=route_threads,
         warp_roles=["each warp: one token (lanes hold its logits and write its d_logits)"]))
+    # After every call (its own entry point, run by the runtime): the call's error code to the
+    # runtime's pinned host word, only when set (a copy behind each call cost 8-10 us, docs/perf.md)
+    kernels.append(status_mirror(n_counters, status_slot))
 
     # send: count, then scatter (positions, row -> token table, tile table)
     dispatch_threads = min(1024, target.max_threads_per_block)
@@ -701,6 +704,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 
     steps["route"] = ["route"]
     steps["route_backward"] = ["route_backward"]
+    steps["status"] = ["status_mirror"]
     kernels = [k for k in kernels if any(k.name in entry for entry in steps.values())]  # nothing unused is built
     task_graph = forward_task_graph(spec, gemm_model_params({k.name: k.params for k in kernels}), target).to_dict()
     for k in kernels:  # the single launch claims its tiles in the task graph's order
@@ -839,6 +843,22 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
                    grid=grid, block=CHUNK_THREADS,
                    warp_roles=["all warps: rank one chunk's pairs (match.sync), write positions and tables"]),
     ]
+
+
+# Tensors the runtime provides itself, bound by no Plan buffer: the variant's pinned host word
+# for the call's error code (mokgen/runtime/variant.py).
+RUNTIME_TENSORS = ("status_host",)
+
+
+def status_mirror(n_counters: int, status_slot: int) -> KernelPlan:
+    """The one-thread launch behind every call that copies a set error code to the runtime's
+    pinned host word (templates/status_mirror.py.j2)."""
+    return KernelPlan(
+        name="status_mirror", stage="status", module="status_mirror", template="status_mirror.py.j2", entry="main",
+        params=dict(status_slot=status_slot),
+        args=[KernelArg("tile_counters", "tile_counters", "i32", [n_counters]),
+              KernelArg("status_host", "status_host", "i32", [1])],
+        grid="(1,)", block=32, warp_roles=["thread 0: the call's error code to pinned host memory, if set"])
 
 
 def class_name(kernel: str) -> str:
@@ -1027,7 +1047,7 @@ def check_plan(plan: Plan, graph: Graph) -> None:
         for s in steps:
             k = plan.kernel(s)
             for a in k.args:
-                if a.tensor not in buffers and a.tensor not in known and a.tensor != "logits":
+                if a.tensor not in buffers and a.tensor not in known and a.tensor not in ("logits", *RUNTIME_TENSORS):
                     raise PlanError(f"kernel {k.name} binds {a.name} to unknown tensor {a.tensor}")
                 if sum(1 for d in a.shape if isinstance(d, str)) > 1:
                     raise PlanError(f"kernel {k.name} arg {a.name}: at most one symbolic dimension")
