@@ -4,6 +4,8 @@ Fresh random inputs every run; uniform and skewed routing (empty experts, one ho
 expert); odd token counts; every workspace buffer and the output poisoned with NaN
 before each launch.
 """
+import math
+
 import pytest
 
 from mokgen.ir import MoESpec
@@ -223,6 +225,41 @@ def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
     v.forward(x, bad, w, wg, wu, wd)
     with pytest.raises(InputError, match="outside \\[0, 64\\)"):
         v.check_errors()
+
+
+def test_small_calls_keep_their_workspace_and_give_the_same_bits(gen):
+    """An inference call's per-call buffers are kept for the next call of the same entry and T
+    (same device and stream) when small: calls that reuse them (other routings in between) give
+    a fresh workspace's bits; a new T replaces them; a large call's are never kept, nor a
+    capture's."""
+    import mokgen
+    from mokgen.runtime.variant import KEEP_WORKSPACE_BYTES
+
+    v = mokgen.load(spec_of(SHAPES[0]))
+    v._kept.clear()
+    inputs = {r: make_inputs(SHAPES[0], 200, r, gen) for r in ("uniform", "skewed", "dropped")}
+    first = {r: v.forward(*a[:6]).clone() for r, a in inputs.items()}
+    slot = next(iter(v._kept))
+    kept = {n: t.data_ptr() for n, t in v._kept[slot][1].items()}
+    for r in ("dropped", "uniform", "skewed", "uniform"):
+        assert torch.equal(v.forward(*inputs[r][:6]), first[r])
+    assert {n: t.data_ptr() for n, t in v._kept[slot][1].items()} == kept
+    v._kept.clear()  # a fresh workspace: the same bits
+    assert torch.equal(v.forward(*inputs["skewed"][:6]), first["skewed"])
+    v.forward(*make_inputs(SHAPES[0], 33, "uniform", gen)[:6])
+    assert [k[0] for k in v._kept.values()] == [33]
+    x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], 16384, "uniform", gen)
+    v.forward(x, ids, w, wg, wu, wd)
+    big = [n for n, dt, shape, _ in v.buffer_shapes(16384) if n in v.entry_buffers(v.forward_entry(16384))]
+    assert big and all(k[0] != 16384 for k in v._kept.values()) and KEEP_WORKSPACE_BYTES < sum(
+        math.prod(shape) * dt.itemsize for n, dt, shape, _ in v.buffer_shapes(16384) if n in big)
+    v._kept.clear()
+    x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], 64, "uniform", gen)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        v.forward(x, ids, w, wg, wu, wd)
+    assert not v._kept
+    v.check_errors()
 
 
 @pytest.mark.parametrize("T", [64, 1000, 4096])

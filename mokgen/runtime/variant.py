@@ -30,6 +30,11 @@ from .library import Launcher, open_library
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
           "e4m3": torch.float8_e4m3fn}
 LIB_NAME = "libmokgen.so"
+# An inference call's per-call buffers are kept for the next call of the same entry and T (same
+# device and stream) when they take at most this much memory: allocating them (8 torch.empty a
+# call) was the largest host item of a small eager call (docs/perf.md), while a large call's
+# buffers (hundreds of MB at T=16384) would stay out of the allocator's reach between calls.
+KEEP_WORKSPACE_BYTES = 64 << 20
 
 
 class VariantNotBuilt(RuntimeError):
@@ -165,6 +170,7 @@ class Variant:
         self._state_shapes = {b["name"]: (DTYPES[b["dtype"]], tuple(int(d) for d in b["shape"]))
                               for b in self.plan["buffers"] if b.get("memory") == "state"}
         self._state: dict = {}  # (name, device, stream) -> tensor
+        self._kept: dict = {}  # (entry, device, stream) -> (T, buffers, the zero-initialised ones): _workspace
         self.expert_parallel = self.spec.world_size > 1
         self._side_kernels = frozenset(self.plan.get("side_stream", ()))
         self._own_streams: dict = {}  # device -> (main, side): the streams of a two-stream entry
@@ -219,9 +225,25 @@ class Variant:
         variant saves the SwiGLU inputs only (its backward lays out the rows again)."""
         return EP_SAVED_FOR_BACKWARD if self.expert_parallel else SAVED_FOR_BACKWARD
 
-    def _workspace(self, tokens: int, device, entry: str, peers=None, given=()) -> dict:
+    def _workspace(self, tokens: int, device, entry: str, peers=None, given=(), keep: bool = False) -> dict:
         """The entry's buffers: the per-call ones allocated at this T (expert parallel: and at
-        the peer workspace's sizes) but those the caller gives, then the peer workspace's own."""
+        the peer workspace's sizes) but those the caller gives, then the peer workspace's own.
+        keep (inference calls): a workspace of at most KEEP_WORKSPACE_BYTES is kept for the next
+        call of the same entry and T on the same device and stream, which stream order makes
+        safe (no kernel reads a per-call buffer before writing it; zero-initialised ones are
+        zeroed again). Never while a CUDA graph is captured, in poison or profiling mode."""
+        slot = None
+        if keep and peers is None and not given and not self.poison and not self.profiling \
+                and not torch.cuda.is_current_stream_capturing():
+            slot = (entry, device, torch.cuda.current_stream(device).cuda_stream)
+        kept = self._kept.get(slot) if slot is not None else None
+        if kept is not None and kept[0] == tokens:
+            for t in kept[2]:
+                t.zero_()
+            ws = dict(kept[1])
+            for name in self.entry_buffers(entry).intersection(self._state_shapes):
+                ws[name] = self._state_buffer(name, device)
+            return ws
         ws = {}
         sizes = peers.sizes if peers is not None else (0, 0)
         self.check_offsets(tokens, sizes)
@@ -237,6 +259,11 @@ class Variant:
                 ws[name] = torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=device)
             else:
                 ws[name] = torch.empty(shape, dtype=dt, device=device)
+        if slot is not None:
+            self._kept.pop(slot, None)  # (one kept workspace per entry, device and stream: the last T)
+            if sum(t.numel() * t.element_size() for t in ws.values()) <= KEEP_WORKSPACE_BYTES:
+                self._kept[slot] = (tokens, dict(ws), [ws[name] for name, *_, init in self.buffer_shapes(tokens, sizes)
+                                                       if name in ws and (init == "zeros" or name in zeroed)])
         for name in used.intersection(self._state_shapes):
             ws[name] = self._state_buffer(name, device)
         if peers is not None:
@@ -351,7 +378,7 @@ class Variant:
         tokens = x.shape[0]
         self._check_status(wait=False)  # an error of an earlier, finished call surfaces here
         with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device, entry, peers)
+            env = self._workspace(tokens, x.device, entry, peers, keep=True)
             env.update(routing, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, out=out)
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
