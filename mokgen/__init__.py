@@ -6,7 +6,7 @@
 Public API: MoESpec, load, moe (differentiable), route, moe_routed (route + moe, one launch
 where it can), moe_fp8 (FP8 experts; differentiable in x and the routing weights), moe_fp8_train
 (the FP8 layer over bf16 weights, differentiable in all), quantize_experts_fp8 (bf16 weights to
-FP8 on the GPU), check_errors, MoE (an nn.Module).
+FP8 on the GPU), check_errors, release_workspaces, MoE (an nn.Module).
 """
 __version__ = "0.1.0"
 
@@ -81,6 +81,15 @@ def release_peer_workspaces():
     _release()
 
 
+def release_workspaces():
+    """Drop the buffers small inference calls keep for their next call of the same size (up to
+    64 MB per entry, device and stream); call torch.cuda.empty_cache() after it to return them
+    to the device."""
+    from .runtime import release_workspaces as _release
+
+    _release()
+
+
 def route(router_logits, topk: int, *, renormalize: bool = False, experts_spec=None):
     """Router logits [T, E] (fp32) -> (topk_ids int32 [T, K], topk_weights fp32 [T, K])."""
     from .runtime import route as _route
@@ -97,4 +106,4 @@ def __getattr__(name):
 
 
 __all__ = ["MoE", "MoESpec", "SpecError", "check_errors", "load", "moe", "moe_fp8", "moe_fp8_train", "moe_routed",
-           "quantize_experts_fp8", "release_peer_workspaces", "route", "__version__"]
+           "quantize_experts_fp8", "release_peer_workspaces", "release_workspaces", "route", "__version__"]

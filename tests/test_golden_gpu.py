@@ -248,6 +248,9 @@ def test_small_calls_keep_their_workspace_and_give_the_same_bits(gen):
     assert torch.equal(v.forward(*inputs["skewed"][:6]), first["skewed"])
     v.forward(*make_inputs(SHAPES[0], 33, "uniform", gen)[:6])
     assert [k[0] for k in v._kept.values()] == [33]
+    mokgen.release_workspaces()
+    assert not v._kept
+    v.forward(*make_inputs(SHAPES[0], 33, "uniform", gen)[:6])
     x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], 16384, "uniform", gen)
     v.forward(x, ids, w, wg, wu, wd)
     big = [n for n, dt, shape, _ in v.buffer_shapes(16384) if n in v.entry_buffers(v.forward_entry(16384))]

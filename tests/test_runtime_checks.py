@@ -122,3 +122,17 @@ def test_too_many_tokens_for_32_bit_offsets_are_refused_with_the_batch_that_fits
     check_offsets("v", shapes, fits)
     with pytest.raises(InputError):
         check_offsets("v", shapes, fits + 1)
+
+
+def test_release_workspaces_drops_every_kept_workspace(monkeypatch):
+    """mokgen.release_workspaces() empties what each loaded variant keeps for its next small call."""
+    import types
+
+    import mokgen
+    from mokgen import runtime
+
+    kept = [types.SimpleNamespace(_kept={("forward_small", "cuda:0", 0): (64, {}, [])}), types.SimpleNamespace(_kept={})]
+    monkeypatch.setattr(runtime, "_LOADED", {"a": kept[0], "b": kept[1]})
+    mokgen.release_workspaces()
+    assert all(v._kept == {} for v in kept)
+    assert "release_workspaces" in mokgen.__all__

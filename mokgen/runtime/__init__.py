@@ -442,6 +442,15 @@ def release_peer_workspaces() -> None:
     release_all()
 
 
+def release_workspaces() -> None:
+    """Drop the buffers small inference calls keep for their next call (Variant._workspace;
+    at most KEEP_WORKSPACE_BYTES per entry, device and stream): torch's allocator gets them
+    back, and the next call allocates again. Safe at any time: a call still running on the GPU
+    keeps its buffers alive in stream order, as torch's allocator does for any freed tensor."""
+    for v in _LOADED.values():
+        v._kept.clear()
+
+
 def moe_routed(x, router_logits, topk: int, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,
                renormalize: bool = False):
     """The layer from router logits: (out, topk_ids, topk_weights), where (topk_ids,
@@ -510,4 +519,5 @@ def check_errors() -> None:
 
 
 __all__ = ["InputError", "KernelTimeout", "LaunchError", "RendezvousTimeout", "Variant", "VariantNotBuilt",
-           "check_errors", "load", "moe", "moe_fp8", "moe_routed", "route", "find_variant", "release_peer_workspaces"]
+           "check_errors", "load", "moe", "moe_fp8", "moe_routed", "route", "find_variant", "release_peer_workspaces",
+           "release_workspaces"]
