@@ -131,7 +131,12 @@ def test_release_workspaces_drops_every_kept_workspace(monkeypatch):
     import mokgen
     from mokgen import runtime
 
-    kept = [types.SimpleNamespace(_kept={("forward_small", "cuda:0", 0): (64, {}, [])}), types.SimpleNamespace(_kept={})]
+    def loaded(kept):  # a loaded variant's kept workspaces (runtime.Variant.release_workspaces clears them)
+        v = types.SimpleNamespace(_kept=kept)
+        v.release_workspaces = v._kept.clear
+        return v
+
+    kept = [loaded({("forward_small", "cuda:0", 0): (64, {}, [])}), loaded({})]
     monkeypatch.setattr(runtime, "_LOADED", {"a": kept[0], "b": kept[1]})
     mokgen.release_workspaces()
     assert all(v._kept == {} for v in kept)

@@ -15,6 +15,7 @@ import cutlass
 import cutlass.cute as cute
 
 STATUS_SLOT = 13
+THREADS = 32
 
 
 @cute.kernel
@@ -29,7 +30,7 @@ def status_mirror_kernel(tile_counters: cute.Tensor, status_host: cute.Tensor):
 class StatusMirror:
     @cute.jit
     def __call__(self, tile_counters: cute.Tensor, status_host: cute.Tensor, stream: cuda.CUstream):
-        status_mirror_kernel(tile_counters, status_host).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+        status_mirror_kernel(tile_counters, status_host).launch(grid=(1, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
 def compile_entry(fake, entry):

@@ -448,7 +448,7 @@ def release_workspaces() -> None:
     back, and the next call allocates again. Safe at any time: a call still running on the GPU
     keeps its buffers alive in stream order, as torch's allocator does for any freed tensor."""
     for v in _LOADED.values():
-        v._kept.clear()
+        v.release_workspaces()
 
 
 def moe_routed(x, router_logits, topk: int, w_gate, w_up, w_down, *, ws_gate=None, ws_up=None, ws_down=None,

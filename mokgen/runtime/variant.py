@@ -236,39 +236,42 @@ class Variant:
         if keep and peers is None and not given and not self.poison and not self.profiling \
                 and not torch.cuda.is_current_stream_capturing():
             slot = (entry, device, torch.cuda.current_stream(device).cuda_stream)
-        kept = self._kept.get(slot) if slot is not None else None
-        if kept is not None and kept[0] == tokens:
-            for t in kept[2]:
-                t.zero_()
-            ws = dict(kept[1])
-            for name in self.entry_buffers(entry).intersection(self._state_shapes):
-                ws[name] = self._state_buffer(name, device)
-            return ws
-        ws = {}
         sizes = peers.sizes if peers is not None else (0, 0)
-        self.check_offsets(tokens, sizes)
         # the backward's saved tensors are the caller's (what the training forward returned)
         used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ()).difference(given)
-        zeroed = self.plan.get("zeroed", {}).get(entry, ())
-        for name, dt, shape, init in self.buffer_shapes(tokens, sizes):
-            if name not in used:
-                continue
-            if init == "zeros" or name in zeroed:
-                ws[name] = torch.zeros(shape, dtype=dt, device=device)
-            elif self.poison:
-                ws[name] = torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=device)
-            else:
-                ws[name] = torch.empty(shape, dtype=dt, device=device)
-        if slot is not None:
-            self._kept.pop(slot, None)  # (one kept workspace per entry, device and stream: the last T)
-            if sum(t.numel() * t.element_size() for t in ws.values()) <= KEEP_WORKSPACE_BYTES:
-                self._kept[slot] = (tokens, dict(ws), [ws[name] for name, *_, init in self.buffer_shapes(tokens, sizes)
-                                                       if name in ws and (init == "zeros" or name in zeroed)])
+        kept = self._kept.get(slot) if slot is not None else None
+        if kept is not None and kept[0] == tokens:
+            ws, zero_init = dict(kept[1]), kept[2]
+            for t in zero_init:
+                t.zero_()
+        else:
+            ws, zero_init = {}, []
+            self.check_offsets(tokens, sizes)
+            zeroed = self.plan.get("zeroed", {}).get(entry, ())
+            for name, dt, shape, init in self.buffer_shapes(tokens, sizes):
+                if name not in used:
+                    continue
+                if init == "zeros" or name in zeroed:
+                    ws[name] = torch.zeros(shape, dtype=dt, device=device)
+                    zero_init.append(ws[name])
+                elif self.poison:
+                    ws[name] = torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=device)
+                else:
+                    ws[name] = torch.empty(shape, dtype=dt, device=device)
+            if slot is not None:
+                self._kept.pop(slot, None)  # (one kept workspace per entry, device and stream: the last T)
+                if sum(t.numel() * t.element_size() for t in ws.values()) <= KEEP_WORKSPACE_BYTES:
+                    self._kept[slot] = (tokens, dict(ws), zero_init)
         for name in used.intersection(self._state_shapes):
             ws[name] = self._state_buffer(name, device)
         if peers is not None:
             ws.update(peers.buffers)
         return ws
+
+    def release_workspaces(self) -> None:
+        """Drop the buffers kept for the next small call (see _workspace); torch's allocator
+        gets them back in stream order, and the next call allocates again."""
+        self._kept.clear()
 
     def _state_buffer(self, name: str, device):
         stream = torch.cuda.current_stream(device)

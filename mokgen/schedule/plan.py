@@ -852,13 +852,14 @@ RUNTIME_TENSORS = ("status_host",)
 
 def status_mirror(n_counters: int, status_slot: int) -> KernelPlan:
     """The one-thread launch behind every call that copies a set error code to the runtime's
-    pinned host word (templates/status_mirror.py.j2)."""
+    pinned host word (templates/status_mirror.py.j2): one warp, its first thread works."""
+    threads = 32
     return KernelPlan(
         name="status_mirror", stage="status", module="status_mirror", template="status_mirror.py.j2", entry="main",
-        params=dict(status_slot=status_slot),
+        params=dict(status_slot=status_slot, threads=threads),
         args=[KernelArg("tile_counters", "tile_counters", "i32", [n_counters]),
               KernelArg("status_host", "status_host", "i32", [1])],
-        grid="(1,)", block=32, warp_roles=["thread 0: the call's error code to pinned host memory, if set"])
+        grid="(1,)", block=threads, warp_roles=["thread 0: the call's error code to pinned host memory, if set"])
 
 
 def class_name(kernel: str) -> str:
