@@ -356,8 +356,8 @@ def test_torch_compile_fake(gen):
 #                       late, past the bound the Plan normally enforces);
 #   broken_dependency:  the single launch's down tiles wait for one gate/up tile more than
 #                       an M tile has, so their h_ready counter never gets there;
-#   broken_dispatch:    the single launch's CTAs wait for one expert more to be counted than
-#                       there are.
+#   broken_dispatch:    the single launch's CTAs wait for one chunk of pairs more to be counted
+#                       than there are (one expert more where they count by experts).
 # (overrides, tokens, the kernel and the wait the error must name)
 BROKEN_BUILDS = {
     "deadlock": ({"debug_unchecked": True, "gemm_gateup.gather_lag": 3, "wait_timeout_ms": 500}, 4096,

@@ -475,6 +475,19 @@ def test_small_launch_counts_every_expert_in_each_cta():
         assert all(q.kernel(n).params["dispatch"]["local_count"] is value for n in names)
     with pytest.raises(PlanError, match="launch_local_count"):
         make_plan(PRESETS["olmoe"], overrides={"launch_local_count": 1})
+    # The 128-row launch counts and places by chunks of pairs; launch_chunked sets that for every
+    # single launch, or leaves each CTA an expert (the phases before it).
+    assert [bool(p.kernel(n).params["dispatch"].get("chunk")) for n in names] == [True, True, False, False]
+    every = make_plan(PRESETS["olmoe"], overrides={"launch_chunked": True})
+    assert all(every.kernel(n).params["dispatch"]["chunk"] == every.kernel(n).block for n in names)
+    assert not any(every.kernel(n).params["dispatch"]["local_count"] for n in names)
+    hist = next(b for b in every.buffers if b.name == "launch_hist")  # sized by the smaller chunk
+    assert sympy.sympify(hist.shape[0]).subs("T", 100) == math.ceil(800 / every.kernel("gemm_fused_small").block)
+    experts = make_plan(PRESETS["olmoe"], overrides={"launch_chunked": False})
+    assert not any(experts.kernel(n).params["dispatch"].get("chunk") for n in names)
+    assert [experts.kernel(n).params["dispatch"]["local_count"] for n in names] == [False, False, True, True]
+    with pytest.raises(PlanError, match="launch_chunked"):
+        make_plan(PRESETS["olmoe"], overrides={"launch_chunked": "yes"})
 
 
 def test_fused_gemms_plan_links_the_tiles_through_counters():
@@ -485,9 +498,19 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
     k = p.kernel("gemm_fused")
     assert [a.tensor for a in k.args] == ["x", "row_token", "w_gate", "w_up", "tile_expert", "tile_counters",
                                           "w_down", "h", "y", "h_ready", "topk_ids", "topk_weights", "pos", "out",
-                                          "counts", "launch_sync"]
+                                          "counts", "launch_sync", "launch_hist"]
     sync = next(b for b in p.buffers if b.name == "launch_sync")
     assert sync.memory == "state" and sync.shape == ["5"]  # counted, placed, passed, routed, laid out (EP)
+    # Its dispatch phase runs by chunks of pairs, one step of the launch's threads each (E64 K8:
+    # T*K <= 2048*8 pairs fit one chunk per SM), with one histogram row per chunk.
+    assert k.params["dispatch"]["chunk"] == k.block and not k.params["dispatch"]["local_count"]
+    hist = next(b for b in p.buffers if b.name == "launch_hist")
+    assert sympy.sympify(hist.shape[0]).subs("T", 1000) == math.ceil(8000 / k.block) and hist.shape[1] == "65"
+    assert any("every grid-th chunk of 384 pairs" in d for d in p.decisions)
+    by_expert = make_plan(spec, overrides={"fuse_gemms": True, "launch_chunked": False})
+    assert "chunk" not in by_expert.kernel("gemm_fused").params["dispatch"]
+    assert not any(b.name == "launch_hist" for b in by_expert.buffers)
+    assert any("every grid-th expert's pairs" in d for d in by_expert.decisions)
     routed = p.kernel("gemm_fused_routed")
     assert p.steps["forward_routed"] == ["gemm_fused_routed"] and routed.params["route"]["experts"] == spec.experts
     assert [a.tensor for a in routed.args] == [a.tensor for a in k.args] + ["logits"]
@@ -534,7 +557,7 @@ def test_fused_launch_runs_the_shared_experts_tiles_too():
     assert p.steps["forward"] == ["gemm_fused"]
     assert not any(k.name.startswith("shared_") for k in p.kernels)
     k = p.kernel("gemm_fused")
-    assert [a.tensor for a in k.args][-11:-6] == ["ws_gate", "ws_up", "ws_down", "hs", "ys"]
+    assert [a.tensor for a in k.args][-12:-7] == ["ws_gate", "ws_up", "ws_down", "hs", "ys"]
     assert k.params["s_size"] == 768 and k.params["shared_slot"] == k.params["used_slot"] + 1
     counters = next(b for b in p.buffers if b.name == "tile_counters")
     assert int(counters.shape[0]) == k.params["status_slot"] + 1 == k.params["done_slot"] + 2 == k.params["shared_slot"] + 3

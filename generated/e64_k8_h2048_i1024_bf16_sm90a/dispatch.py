@@ -33,68 +33,398 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 
-EXPERTS = 64
-TOPK = 8
-TILE_M = 128
-TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM cluster size)
 THREADS = 256
-WARPS = THREADS // 32
-CHUNK = 1024  # pairs per CTA
-SEG = CHUNK // WARPS  # pairs per warp, ranked 32 at a time
-# scatter's sums over the chunks: PARTS threads per expert, each over every PARTS-th chunk
-PARTS = THREADS // EXPERTS if THREADS >= EXPERTS else 1
-SUM_UNROLL = 8  # chunk_hist loads in flight per thread
-FULL_MASK = -1
-STATUS_SLOT = 13  # tile_counters entry for the call's error code (0: none)
-BAD_IDS = 1  # error code: some topk_ids were outside [0, EXPERTS) and not EMPTY
-EMPTY = -1  # the id of an empty slot (a dropped pair): no row, no error
+D_EXPERTS = 64
+D_TOPK = 8
+D_TILE_M = 128
+D_TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM cluster size)
+D_ITEMS = 4  # pairs per thread and step of the compaction
+D_WARPS = THREADS // 32
+D_STATUS_SLOT = 13  # tile_counters entry for the call's error code (0: none)
+D_BAD_IDS = 1  # error code: some topk_ids were outside [0, D_EXPERTS) and not EMPTY
+D_EMPTY = -1  # the id of an empty slot (a dropped pair): no row, no error
+D_USED_SLOT = 10  # tile_counters entry: the fused launch's used M tiles
+
+
+@cute.jit
+def expert_tiles(count: cutlass.Int32) -> cutlass.Int32:
+    """M tiles of an expert with `count` rows (a multiple of D_TILE_ALIGN)."""
+    return (count + (D_TILE_M * D_TILE_ALIGN - 1)) // (D_TILE_M * D_TILE_ALIGN) * D_TILE_ALIGN
+
+
+@cute.jit
+def expert_prefix(counts: cute.Tensor, e: cutlass.Int32, lane: cutlass.Int32):
+    """Warp-wide (every lane of one warp calls it): (M tiles of the experts placed before e,
+    M tiles of all experts, pairs counted by all experts), the same in every lane. Each lane
+    loads every 32nd count, so the loads are in flight together, not one after another;
+    integer sums, so the order does not matter."""
+    before = cutlass.Int32(0)
+    total = cutlass.Int32(0)
+    pairs = cutlass.Int32(0)
+    for j0 in cutlass.range(0, D_EXPERTS, 32, unroll=1):
+        j = j0 + lane
+        if j < D_EXPERTS:
+            c = counts[j]
+            tiles_j = expert_tiles(c)
+            if j < e:
+                before = before + tiles_j
+            total = total + tiles_j
+            pairs = pairs + c
+    before = cute.arch.warp_reduction(before, lambda a, b: a + b)
+    total = cute.arch.warp_reduction(total, lambda a, b: a + b)
+    pairs = cute.arch.warp_reduction(pairs, lambda a, b: a + b)
+    return before, total, pairs
+
+
+@cute.jit
+def count_expert(ids: cute.Tensor, e: cutlass.Int32, tidx: cutlass.Int32, warp_sums: cute.Tensor) -> cutlass.Int32:
+    """Block-wide: the pairs of ids (flat, T*K) routed to expert e. Valid in thread 0."""
+    n = cute.size(ids)
+    c = cutlass.Int32(0)
+    for i in cutlass.range(tidx, n, THREADS, unroll=4):
+        if ids[i] == e:
+            c = c + 1
+    c = cute.arch.warp_reduction(c, lambda a, b: a + b)
+    if cute.arch.lane_idx() == 0:
+        warp_sums[tidx // 32] = c
+    cute.arch.sync_threads()
+    total = cutlass.Int32(0)
+    if tidx == 0:
+        for w in cutlass.range_constexpr(D_WARPS):
+            total = total + warp_sums[w]
+    cute.arch.sync_threads()  # warp_sums may be written again by the caller's next expert
+    return total
+
+
+@cute.jit
+def scatter_expert(
+    ids: cute.Tensor, counts: cute.Tensor, e: cutlass.Int32, pos: cute.Tensor, row_token: cute.Tensor,
+    tile_expert: cute.Tensor, tile_counters: cute.Tensor, h_ready: cute.Tensor,
+    tidx: cutlass.Int32, warp_cnt: cute.Tensor, shared_scalars: cute.Tensor,
+):
+    """Block-wide: place expert e's rows (every count is final).
+
+    - e's rows start at a padded offset: each expert's segment starts on a multiple of
+      D_TILE_M rows (the GEMM M tile), so every M tile of the grouped GEMMs belongs to
+      exactly one expert;
+    - tile_expert[m] = e for e's M tiles (the last expert writes -1 after the last used tile);
+    - row positions in (token, slot) order, a stable compaction (block-wide scan): the same
+      routing always gives the same positions;
+    - row_token[row] = t for every row (-1 for padding rows): the gate/up GEMM gathers its
+      A rows from x through it, so no permuted copy of x is ever made;
+    - pos = -1 for an empty slot (the expert-0 call writes it).
+    Routed ids outside [0, D_EXPERTS) match no expert: they get no row. Empty slots (D_EMPTY)
+    are meant so; for any other such id the expert-0 call records D_BAD_IDS (the host raises
+    when it reads the error code): it counts the empty slots in its pass over the ids, and the
+    experts' pairs and the empty slots must add up to T*K.
+    """
+    lane = cute.arch.lane_idx()
+    warp = tidx // 32
+    n = cute.size(ids)
+
+    # Tiles of the experts before e, and of all experts (warp 0).
+    pairs = cutlass.Int32(0)  # (thread 0: the pairs every expert counted)
+    if warp == 0:
+        before, total, pairs_all = expert_prefix(counts, e, lane)
+        pairs = pairs_all
+        if lane == 0:
+            shared_scalars[0] = before
+            shared_scalars[1] = total
+    cute.arch.sync_threads()
+    tiles_before = shared_scalars[0]
+    tiles_total = shared_scalars[1]
+
+    my_count = counts[e]
+    my_tiles = expert_tiles(my_count)
+    for i in cutlass.range(tidx, my_tiles, THREADS, unroll=1):
+        tile_expert[tiles_before + i] = e
+        h_ready[tiles_before + i] = 0  # the fused GEMM's per-M-tile count of finished gate/up tiles
+    if e == 0:
+        if tidx == 0:
+            tile_counters[D_USED_SLOT] = tiles_total  # used M tiles: the fused GEMM's tile range
+    # Padding rows of e's last tile: no token.
+    for i in cutlass.range(my_count + tidx, my_tiles * D_TILE_M, THREADS, unroll=1):
+        row_token[tiles_before * D_TILE_M + i] = -1
+    if e == D_EXPERTS - 1:
+        for i in cutlass.range(tiles_total + tidx, cute.size(tile_expert), THREADS, unroll=1):
+            tile_expert[i] = -1
+
+    # Stable compaction of the pairs routed to e: each step covers THREADS * D_ITEMS
+    # consecutive pairs, thread t owning D_ITEMS consecutive ones, so (thread, item)
+    # order is (token, slot) order. Hits are ranked by a block-wide exclusive scan
+    # (warp shuffles, then the warp totals in shared memory).
+    base = tiles_before * D_TILE_M
+    running = cutlass.Int32(0)
+    empties = cutlass.Int32(0)  # this thread's empty slots (read by the expert-0 call only)
+    hits = cute.make_rmem_tensor((D_ITEMS,), cutlass.Int32)
+    for chunk in cutlass.range(0, n, THREADS * D_ITEMS, unroll=1):
+        first = chunk + tidx * D_ITEMS
+        mine = cutlass.Int32(0)
+        for j in cutlass.range_constexpr(D_ITEMS):
+            hits[j] = 0
+            if first + j < n:
+                idv = ids[first + j]
+                if idv == e:
+                    hits[j] = 1
+                if idv == D_EMPTY:
+                    empties = empties + 1
+                    if e == 0:
+                        pos[first + j] = -1  # no row (the SwiGLU backward finds a row's slot through pos)
+            mine = mine + hits[j]
+        incl = mine
+        for sh in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << sh)
+            if lane >= (1 << sh):
+                incl = incl + up
+        if lane == 31:
+            warp_cnt[warp] = incl
+        cute.arch.sync_threads()
+        prefix = cutlass.Int32(0)
+        step_total = cutlass.Int32(0)
+        for w in cutlass.range_constexpr(D_WARPS):
+            cw = warp_cnt[w]
+            if w < warp:
+                prefix = prefix + cw
+            step_total = step_total + cw
+        rank = base + running + prefix + incl - mine
+        for j in cutlass.range_constexpr(D_ITEMS):
+            if hits[j] == 1:
+                pos[first + j] = rank
+                row_token[rank] = (first + j) // D_TOPK
+                rank = rank + 1
+        running = running + step_total
+        cute.arch.sync_threads()
+    if e == 0:  # every pair is an expert's or an empty slot, else some id was out of range
+        empties = cute.arch.warp_reduction(empties, lambda a, b: a + b)
+        if lane == 0:
+            warp_cnt[warp] = empties
+        cute.arch.sync_threads()
+        if tidx == 0:
+            for w in cutlass.range_constexpr(D_WARPS):
+                pairs = pairs + warp_cnt[w]
+            if pairs != n:
+                tile_counters[D_STATUS_SLOT] = D_BAD_IDS
+    cute.arch.sync_threads()  # shared_scalars may be written again by the caller's next expert
+
+D_CHUNK = 1024  # pairs per chunk
+D_SEG = D_CHUNK // D_WARPS  # pairs per warp, ranked 32 at a time
+# The sums over the chunks: D_PARTS threads per expert, each over every D_PARTS-th chunk
+D_PARTS = THREADS // D_EXPERTS if THREADS >= D_EXPERTS else 1
+D_SUM_UNROLL = 8  # chunk_hist loads in flight per thread
+D_FULL_MASK = -1
+D_CHUNK_SCRATCH = 4 * D_EXPERTS + 2 * D_PARTS * D_EXPERTS + D_WARPS * D_EXPERTS + 2  # shared ints the phases use
+
+
+@cute.jit
+def chunk_expert_of(ids: cute.Tensor, i: cutlass.Int32, n: cutlass.Int32) -> cutlass.Int32:
+    """The expert of pair i, or -1 past the end or for an id out of range."""
+    e = cutlass.Int32(-1)
+    if i < n:
+        e = ids[i]
+        if e < 0 or e >= D_EXPERTS:
+            e = -1
+    return e
+
+
+@cute.jit
+def count_chunk(ids: cute.Tensor, chunk_hist: cute.Tensor, c: cutlass.Int32, hist: cute.Tensor, tidx: cutlass.Int32):
+    """Block-wide: chunk c's pairs per expert into chunk_hist[c, :D_EXPERTS], and in
+    chunk_hist[c, D_EXPERTS] its ids that are neither an expert nor D_EMPTY (shared-memory
+    atomics on integers: the order does not matter). hist: D_EXPERTS + 1 shared ints."""
+    n = cute.size(ids)
+    for e in cutlass.range(tidx, D_EXPERTS + 1, THREADS, unroll=1):
+        hist[e] = 0
+    cute.arch.sync_threads()
+    vals = cute.make_rmem_tensor((D_CHUNK // THREADS,), cutlass.Int32)
+    for j in cutlass.range_constexpr(D_CHUNK // THREADS):  # every load in flight before the first atomic
+        i = c * D_CHUNK + j * THREADS + tidx
+        vals[j] = D_EMPTY
+        if i < n:
+            vals[j] = ids[i]
+    for j in cutlass.range_constexpr(D_CHUNK // THREADS):
+        e = vals[j]
+        if e >= 0 and e < D_EXPERTS:
+            cute.arch.atomic_add(hist.iterator + e, cutlass.Int32(1), scope="cta")
+        elif e != D_EMPTY:
+            cute.arch.atomic_add(hist.iterator + D_EXPERTS, cutlass.Int32(1), scope="cta")
+    cute.arch.sync_threads()
+    for e in cutlass.range(tidx, D_EXPERTS + 1, THREADS, unroll=1):
+        chunk_hist[c, e] = hist[e]
+
+
+@cute.jit
+def chunk_layout(chunk_hist: cute.Tensor, c: cutlass.Int32, chunks: cutlass.Int32, scratch: cute.Tensor,
+                 tidx: cutlass.Int32) -> cutlass.Int32:
+    """Block-wide, once every chunk is counted: each expert's count (total), its first M tile
+    (tile_off: an exclusive scan of the experts' tiles) and in base the first row of chunk c's
+    pairs of it (its segment's first row plus its pairs in the chunks before c). Integer sums
+    split over the CTA's threads with their loads in flight together (a chunk-serial loop was
+    latency-bound: one load round trip per chunk). Returns the used M tiles."""
+    lane = cute.arch.lane_idx()
+    warp = tidx // 32
+    total, base, tile_off, part_tot, part_before, scalars = chunk_scratch(scratch)
+    for s in cutlass.range(tidx, D_PARTS * D_EXPERTS, THREADS, unroll=1):
+        e = s % D_EXPERTS
+        part = s // D_EXPERTS
+        tot = cutlass.Int32(0)
+        before = cutlass.Int32(0)
+        for cc in cutlass.range(part, chunks, D_PARTS, unroll=D_SUM_UNROLL):
+            h = chunk_hist[cc, e]
+            tot = tot + h
+            if cc < c:
+                before = before + h
+        part_tot[s] = tot
+        part_before[s] = before
+    cute.arch.sync_threads()
+    for e in cutlass.range(tidx, D_EXPERTS, THREADS, unroll=1):
+        tot = cutlass.Int32(0)
+        before = cutlass.Int32(0)
+        for part in cutlass.range_constexpr(D_PARTS):
+            tot = tot + part_tot[part * D_EXPERTS + e]
+            before = before + part_before[part * D_EXPERTS + e]
+        total[e] = tot
+        base[e] = before
+    cute.arch.sync_threads()
+    if warp == 0:  # 32 experts at a time
+        running = cutlass.Int32(0)
+        for e0 in cutlass.range(0, D_EXPERTS, 32, unroll=1):
+            e = e0 + lane
+            tiles = cutlass.Int32(0)
+            if e < D_EXPERTS:
+                tiles = expert_tiles(total[e])
+            incl = tiles
+            for sh in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << sh)
+                if lane >= (1 << sh):
+                    incl = incl + up
+            if e < D_EXPERTS:
+                tile_off[e] = running + incl - tiles
+            running = running + cute.arch.shuffle_sync(incl, 31)
+        if lane == 0:
+            scalars[0] = running
+    cute.arch.sync_threads()
+    for e in cutlass.range(tidx, D_EXPERTS, THREADS, unroll=1):
+        base[e] = tile_off[e] * D_TILE_M + base[e]
+    tiles_total = scalars[0]
+    cute.arch.sync_threads()
+    return tiles_total
+
+
+@cute.jit
+def chunk_scratch(scratch: cute.Tensor):
+    """The phases' shared-memory arrays, carved from D_CHUNK_SCRATCH ints: total, base,
+    tile_off, part_tot, part_before, scalars (warp_next follows them, see place_chunk)."""
+    p = scratch.iterator
+    total = cute.make_tensor(p, cute.make_layout(D_EXPERTS))
+    base = cute.make_tensor(p + D_EXPERTS, cute.make_layout(D_EXPERTS))
+    tile_off = cute.make_tensor(p + 2 * D_EXPERTS, cute.make_layout(D_EXPERTS))
+    part_tot = cute.make_tensor(p + 3 * D_EXPERTS, cute.make_layout(D_PARTS * D_EXPERTS))
+    part_before = cute.make_tensor(p + (3 + D_PARTS) * D_EXPERTS, cute.make_layout(D_PARTS * D_EXPERTS))
+    scalars = cute.make_tensor(p + (3 + 2 * D_PARTS) * D_EXPERTS, cute.make_layout(2))
+    return total, base, tile_off, part_tot, part_before, scalars
+
+
+@cute.jit
+def chunk_tables(first: cutlass.Int32, stride: cutlass.Int32, tiles_total: cutlass.Int32, scratch: cute.Tensor,
+                 counts: cute.Tensor, row_token: cute.Tensor, tile_expert: cute.Tensor,
+                 tile_counters: cute.Tensor, h_ready: cute.Tensor, last: cutlass.Boolean,
+                 tidx: cutlass.Int32):
+    """Per-expert tables, one warp per expert, experts first + w, first + w + stride, ... (w this
+    CTA's warp; at small T one CTA holds all the pairs, and a loop over the experts with the
+    whole CTA on each made the scatter 13.6 us at E64 T=64, against 3.6 for the per-expert
+    kernels): counts[e], tile_expert[m] = e for e's M tiles, row_token = -1 for its padding rows;
+    where `last`, tile_expert = -1 after the last used tile and the used M tiles for the fused GEMM."""
+    lane = cute.arch.lane_idx()
+    total, _, tile_off, _, _, _ = chunk_scratch(scratch)
+    for e in cutlass.range(first + tidx // 32, D_EXPERTS, stride, unroll=1):
+        my_count = total[e]
+        my_tiles = expert_tiles(my_count)
+        first_tile = tile_off[e]
+        if lane == 0:
+            counts[e] = my_count
+        for i in cutlass.range(lane, my_tiles, 32, unroll=1):
+            tile_expert[first_tile + i] = e
+            h_ready[first_tile + i] = 0  # the fused GEMM's per-M-tile count of finished gate/up tiles
+        for i in cutlass.range(my_count + lane, my_tiles * D_TILE_M, 32, unroll=1):
+            row_token[first_tile * D_TILE_M + i] = -1
+    if last:
+        for i in cutlass.range(tiles_total + tidx, cute.size(tile_expert), THREADS, unroll=1):
+            tile_expert[i] = -1
+        if tidx == 0:
+            tile_counters[D_USED_SLOT] = tiles_total  # used M tiles: the fused GEMM's tile range
+
+
+@cute.jit
+def place_chunk(ids: cute.Tensor, c: cutlass.Int32, chunk_hist: cute.Tensor, scratch: cute.Tensor, pos: cute.Tensor,
+                row_token: cute.Tensor, tile_counters: cute.Tensor, tidx: cutlass.Int32):
+    """Block-wide, after chunk_layout(c): rank chunk c's pairs stably and write pos and
+    row_token. Warp w owns D_SEG consecutive pairs; per 32-pair step, match.sync finds the lanes
+    with the same expert and a lane's rank is the number of such lanes below it, after the
+    counts of the warps before it and of the chunks before c. So positions follow (token, slot)
+    order: the same routing always gives the same positions (the per-expert dispatch's, bit for
+    bit). A chunk with ids that are neither an expert nor D_EMPTY records D_BAD_IDS."""
+    lane = cute.arch.lane_idx()
+    warp = tidx // 32
+    n = cute.size(ids)
+    _, base, _, _, _, _ = chunk_scratch(scratch)
+    warp_next = cute.make_tensor(scratch.iterator + (3 + 2 * D_PARTS) * D_EXPERTS + 2,
+                                 cute.make_layout(D_WARPS * D_EXPERTS))
+    if tidx == 0:
+        if chunk_hist[c, D_EXPERTS] != 0:
+            tile_counters[D_STATUS_SLOT] = D_BAD_IDS
+    for e in cutlass.range(tidx, D_WARPS * D_EXPERTS, THREADS, unroll=1):
+        warp_next[e] = 0
+    cute.arch.sync_threads()
+    # Pass 1: how many pairs of each expert every warp's segment holds.
+    seg0 = c * D_CHUNK + warp * D_SEG
+    below = (cutlass.Uint32(1) << cutlass.Uint32(lane)) - cutlass.Uint32(1)
+    for step in cutlass.range_constexpr(D_SEG // 32):
+        e = chunk_expert_of(ids, seg0 + step * 32 + lane, n)
+        peers = cute.arch.match_sync(D_FULL_MASK, e)
+        if e >= 0:
+            if (peers & below) == cutlass.Uint32(0):  # the lowest lane of its group counts it
+                warp_next[warp * D_EXPERTS + e] = warp_next[warp * D_EXPERTS + e] + cutlass.Int32(cute.arch.popc(peers))
+        cute.arch.sync_warp()
+    cute.arch.sync_threads()
+    # The first position of each warp's pairs of each expert: after the warps before it.
+    for e in cutlass.range(tidx, D_EXPERTS, THREADS, unroll=1):
+        running = base[e]
+        for w in cutlass.range_constexpr(D_WARPS):
+            cnt = warp_next[w * D_EXPERTS + e]
+            warp_next[w * D_EXPERTS + e] = running
+            running = running + cnt
+    cute.arch.sync_threads()
+    # Pass 2: positions, in (token, slot) order.
+    for step in cutlass.range_constexpr(D_SEG // 32):
+        i = seg0 + step * 32 + lane
+        e = chunk_expert_of(ids, i, n)
+        peers = cute.arch.match_sync(D_FULL_MASK, e)
+        if e >= 0:
+            rank = warp_next[warp * D_EXPERTS + e] + cutlass.Int32(cute.arch.popc(peers & below))
+            pos[i] = rank
+            row_token[rank] = i // D_TOPK
+        elif i < n:
+            if ids[i] == D_EMPTY:
+                pos[i] = -1  # an empty slot has no row (the SwiGLU backward finds a row's slot through pos)
+        cute.arch.sync_warp()
+        if e >= 0:
+            if (peers & below) == cutlass.Uint32(0):
+                warp_next[warp * D_EXPERTS + e] = warp_next[warp * D_EXPERTS + e] + cutlass.Int32(cute.arch.popc(peers))
+        cute.arch.sync_warp()
+    cute.arch.sync_threads()  # the scratch may be used again (the next chunk)
+
 
 
 @cute.kernel
 def count_kernel(ids: cute.Tensor, chunk_hist: cute.Tensor, tile_counters: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     c, _, _ = cute.arch.block_idx()
-    n = cute.size(ids)
     smem = cutlass.memory.SmemAllocator()
-    hist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(EXPERTS + 1), 16)  # [EXPERTS]: bad ids
-    for e in cutlass.range(tidx, EXPERTS + 1, THREADS, unroll=1):
-        hist[e] = 0
+    hist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(D_EXPERTS + 1), 16)  # [D_EXPERTS]: bad ids
     if c == 0:
         if tidx < cute.size(tile_counters):
             tile_counters[tidx] = 0
-    cute.arch.sync_threads()
-    vals = cute.make_rmem_tensor((CHUNK // THREADS,), cutlass.Int32)
-    for j in cutlass.range_constexpr(CHUNK // THREADS):  # every load in flight before the first atomic
-        i = c * CHUNK + j * THREADS + tidx
-        vals[j] = EMPTY
-        if i < n:
-            vals[j] = ids[i]
-    for j in cutlass.range_constexpr(CHUNK // THREADS):
-        e = vals[j]
-        if e >= 0 and e < EXPERTS:
-            cute.arch.atomic_add(hist.iterator + e, cutlass.Int32(1), scope="cta")
-        elif e != EMPTY:
-            cute.arch.atomic_add(hist.iterator + EXPERTS, cutlass.Int32(1), scope="cta")
-    cute.arch.sync_threads()
-    for e in cutlass.range(tidx, EXPERTS + 1, THREADS, unroll=1):
-        chunk_hist[c, e] = hist[e]
-
-
-@cute.jit
-def expert_of(ids: cute.Tensor, i: cutlass.Int32, n: cutlass.Int32) -> cutlass.Int32:
-    """The expert of pair i, or -1 past the end or for an id out of range."""
-    e = cutlass.Int32(-1)
-    if i < n:
-        e = ids[i]
-        if e < 0 or e >= EXPERTS:
-            e = -1
-    return e
-
-
-@cute.jit
-def expert_tiles(count: cutlass.Int32) -> cutlass.Int32:
-    """M tiles of an expert with `count` rows (a multiple of TILE_ALIGN)."""
-    return (count + (TILE_M * TILE_ALIGN - 1)) // (TILE_M * TILE_ALIGN) * TILE_ALIGN
+    count_chunk(ids, chunk_hist, c, hist, tidx)
 
 
 @cute.kernel
@@ -104,129 +434,13 @@ def scatter_kernel(
 ):
     tidx, _, _ = cute.arch.thread_idx()
     c, _, _ = cute.arch.block_idx()
-    lane = cute.arch.lane_idx()
-    warp = tidx // 32
-    n = cute.size(ids)
     chunks = chunk_hist.shape[0]
     smem = cutlass.memory.SmemAllocator()
-    total = smem.allocate_tensor(cutlass.Int32, cute.make_layout(EXPERTS), 16)
-    base = smem.allocate_tensor(cutlass.Int32, cute.make_layout(EXPERTS), 16)
-    tile_off = smem.allocate_tensor(cutlass.Int32, cute.make_layout(EXPERTS), 16)
-    part_tot = smem.allocate_tensor(cutlass.Int32, cute.make_layout(PARTS * EXPERTS), 16)
-    part_before = smem.allocate_tensor(cutlass.Int32, cute.make_layout(PARTS * EXPERTS), 16)
-    warp_next = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS * EXPERTS), 16)
-    scalars = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), 16)
-
-    if tidx == 0:  # ids of this chunk that are neither an expert nor an empty slot
-        if chunk_hist[c, EXPERTS] != 0:
-            tile_counters[STATUS_SLOT] = BAD_IDS
-
-    # Each expert's count, and its pairs in the chunks before this one: thread (part, e) sums
-    # the chunks part, part + PARTS, ... (consecutive threads read consecutive experts).
-    for s in cutlass.range(tidx, PARTS * EXPERTS, THREADS, unroll=1):
-        e = s % EXPERTS
-        part = s // EXPERTS
-        tot = cutlass.Int32(0)
-        before = cutlass.Int32(0)
-        for cc in cutlass.range(part, chunks, PARTS, unroll=SUM_UNROLL):
-            h = chunk_hist[cc, e]
-            tot = tot + h
-            if cc < c:
-                before = before + h
-        part_tot[s] = tot
-        part_before[s] = before
-    cute.arch.sync_threads()
-    for e in cutlass.range(tidx, EXPERTS, THREADS, unroll=1):
-        tot = cutlass.Int32(0)
-        before = cutlass.Int32(0)
-        for part in cutlass.range_constexpr(PARTS):
-            tot = tot + part_tot[part * EXPERTS + e]
-            before = before + part_before[part * EXPERTS + e]
-        total[e] = tot
-        base[e] = before
-    cute.arch.sync_threads()
-    # Each expert's first M tile: an exclusive scan of the experts' tile counts (warp 0, 32 at a time).
-    if warp == 0:
-        running = cutlass.Int32(0)
-        for e0 in cutlass.range(0, EXPERTS, 32, unroll=1):
-            e = e0 + lane
-            tiles = cutlass.Int32(0)
-            if e < EXPERTS:
-                tiles = expert_tiles(total[e])
-            incl = tiles
-            for sh in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(incl, 1 << sh)
-                if lane >= (1 << sh):
-                    incl = incl + up
-            if e < EXPERTS:
-                tile_off[e] = running + incl - tiles
-            running = running + cute.arch.shuffle_sync(incl, 31)
-        if lane == 0:
-            scalars[0] = running
-    cute.arch.sync_threads()
-    tiles_total = scalars[0]
-    for e in cutlass.range(tidx, EXPERTS, THREADS, unroll=1):
-        base[e] = tile_off[e] * TILE_M + base[e]
-    for e in cutlass.range(tidx, WARPS * EXPERTS, THREADS, unroll=1):
-        warp_next[e] = 0
-
-    # Per-expert tables, one warp per expert, the experts spread over every CTA's warps (at small
-    # T one CTA holds all the pairs: a loop over the experts with the whole CTA on each made its
-    # scatter 13.6 us at E64 T=64, against 3.6 for the per-expert kernels).
-    for e in cutlass.range(c * WARPS + warp, EXPERTS, chunks * WARPS, unroll=1):
-        my_count = total[e]
-        my_tiles = expert_tiles(my_count)
-        first_tile = tile_off[e]
-        if lane == 0:
-            counts[e] = my_count
-        for i in cutlass.range(lane, my_tiles, 32, unroll=1):
-            tile_expert[first_tile + i] = e
-            h_ready[first_tile + i] = 0  # the fused GEMM's per-M-tile count of finished gate/up tiles
-        for i in cutlass.range(my_count + lane, my_tiles * TILE_M, 32, unroll=1):
-            row_token[first_tile * TILE_M + i] = -1
-    if c == 0:
-        for i in cutlass.range(tiles_total + tidx, cute.size(tile_expert), THREADS, unroll=1):
-            tile_expert[i] = -1
-        if tidx == 0:
-            tile_counters[10] = tiles_total  # used M tiles: the fused GEMM's tile range
-    cute.arch.sync_threads()
-
-    # Pass 1: how many pairs of each expert every warp's segment holds.
-    seg0 = c * CHUNK + warp * SEG
-    below = (cutlass.Uint32(1) << cutlass.Uint32(lane)) - cutlass.Uint32(1)
-    for step in cutlass.range_constexpr(SEG // 32):
-        e = expert_of(ids, seg0 + step * 32 + lane, n)
-        peers = cute.arch.match_sync(FULL_MASK, e)
-        if e >= 0:
-            if (peers & below) == cutlass.Uint32(0):  # the lowest lane of its group counts it
-                warp_next[warp * EXPERTS + e] = warp_next[warp * EXPERTS + e] + cutlass.Int32(cute.arch.popc(peers))
-        cute.arch.sync_warp()
-    cute.arch.sync_threads()
-    # The first position of each warp's pairs of each expert: after the warps before it.
-    for e in cutlass.range(tidx, EXPERTS, THREADS, unroll=1):
-        running = base[e]
-        for w in cutlass.range_constexpr(WARPS):
-            cnt = warp_next[w * EXPERTS + e]
-            warp_next[w * EXPERTS + e] = running
-            running = running + cnt
-    cute.arch.sync_threads()
-    # Pass 2: positions, in (token, slot) order.
-    for step in cutlass.range_constexpr(SEG // 32):
-        i = seg0 + step * 32 + lane
-        e = expert_of(ids, i, n)
-        peers = cute.arch.match_sync(FULL_MASK, e)
-        if e >= 0:
-            rank = warp_next[warp * EXPERTS + e] + cutlass.Int32(cute.arch.popc(peers & below))
-            pos[i] = rank
-            row_token[rank] = i // TOPK
-        elif i < n:
-            if ids[i] == EMPTY:
-                pos[i] = -1  # an empty slot has no row (the SwiGLU backward finds a row's slot through pos)
-        cute.arch.sync_warp()
-        if e >= 0:
-            if (peers & below) == cutlass.Uint32(0):
-                warp_next[warp * EXPERTS + e] = warp_next[warp * EXPERTS + e] + cutlass.Int32(cute.arch.popc(peers))
-        cute.arch.sync_warp()
+    scratch = smem.allocate_tensor(cutlass.Int32, cute.make_layout(D_CHUNK_SCRATCH), 16)
+    tiles_total = chunk_layout(chunk_hist, c, chunks, scratch, tidx)
+    chunk_tables(c * D_WARPS, chunks * D_WARPS, tiles_total, scratch, counts, row_token, tile_expert, tile_counters,
+                 h_ready, c == 0, tidx)
+    place_chunk(ids, c, chunk_hist, scratch, pos, row_token, tile_counters, tidx)
 
 
 class Dispatch:
@@ -235,7 +449,7 @@ class Dispatch:
     @cute.jit
     def count(self, ids: cute.Tensor, chunk_hist: cute.Tensor, tile_counters: cute.Tensor,
               stream: cuda.CUstream):
-        flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * TOPK))
+        flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * D_TOPK))
         count_kernel(flat, chunk_hist, tile_counters).launch(
             grid=(chunk_hist.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream
         )
@@ -253,8 +467,8 @@ class Dispatch:
         h_ready: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * TOPK))
-        flat_pos = cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * TOPK))
+        flat = cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * D_TOPK))
+        flat_pos = cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * D_TOPK))
         scatter_kernel(flat, chunk_hist, counts, flat_pos, row_token, tile_expert, tile_counters, h_ready).launch(
             grid=(chunk_hist.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream
         )

@@ -413,6 +413,213 @@ def scatter_expert(
                 tile_counters[D_STATUS_SLOT] = D_BAD_IDS
     cute.arch.sync_threads()  # shared_scalars may be written again by the caller's next expert
 
+D_CHUNK = 384  # pairs per chunk
+D_SEG = D_CHUNK // D_WARPS  # pairs per warp, ranked 32 at a time
+# The sums over the chunks: D_PARTS threads per expert, each over every D_PARTS-th chunk
+D_PARTS = THREADS // D_EXPERTS if THREADS >= D_EXPERTS else 1
+D_SUM_UNROLL = 8  # chunk_hist loads in flight per thread
+D_FULL_MASK = -1
+D_CHUNK_SCRATCH = 4 * D_EXPERTS + 2 * D_PARTS * D_EXPERTS + D_WARPS * D_EXPERTS + 2  # shared ints the phases use
+
+
+@cute.jit
+def chunk_expert_of(ids: cute.Tensor, i: cutlass.Int32, n: cutlass.Int32) -> cutlass.Int32:
+    """The expert of pair i, or -1 past the end or for an id out of range."""
+    e = cutlass.Int32(-1)
+    if i < n:
+        e = ids[i]
+        if e < 0 or e >= D_EXPERTS:
+            e = -1
+    return e
+
+
+@cute.jit
+def count_chunk(ids: cute.Tensor, chunk_hist: cute.Tensor, c: cutlass.Int32, hist: cute.Tensor, tidx: cutlass.Int32):
+    """Block-wide: chunk c's pairs per expert into chunk_hist[c, :D_EXPERTS], and in
+    chunk_hist[c, D_EXPERTS] its ids that are neither an expert nor D_EMPTY (shared-memory
+    atomics on integers: the order does not matter). hist: D_EXPERTS + 1 shared ints."""
+    n = cute.size(ids)
+    for e in cutlass.range(tidx, D_EXPERTS + 1, THREADS, unroll=1):
+        hist[e] = 0
+    cute.arch.sync_threads()
+    vals = cute.make_rmem_tensor((D_CHUNK // THREADS,), cutlass.Int32)
+    for j in cutlass.range_constexpr(D_CHUNK // THREADS):  # every load in flight before the first atomic
+        i = c * D_CHUNK + j * THREADS + tidx
+        vals[j] = D_EMPTY
+        if i < n:
+            vals[j] = ids[i]
+    for j in cutlass.range_constexpr(D_CHUNK // THREADS):
+        e = vals[j]
+        if e >= 0 and e < D_EXPERTS:
+            cute.arch.atomic_add(hist.iterator + e, cutlass.Int32(1), scope="cta")
+        elif e != D_EMPTY:
+            cute.arch.atomic_add(hist.iterator + D_EXPERTS, cutlass.Int32(1), scope="cta")
+    cute.arch.sync_threads()
+    for e in cutlass.range(tidx, D_EXPERTS + 1, THREADS, unroll=1):
+        chunk_hist[c, e] = hist[e]
+
+
+@cute.jit
+def chunk_layout(chunk_hist: cute.Tensor, c: cutlass.Int32, chunks: cutlass.Int32, scratch: cute.Tensor,
+                 tidx: cutlass.Int32) -> cutlass.Int32:
+    """Block-wide, once every chunk is counted: each expert's count (total), its first M tile
+    (tile_off: an exclusive scan of the experts' tiles) and in base the first row of chunk c's
+    pairs of it (its segment's first row plus its pairs in the chunks before c). Integer sums
+    split over the CTA's threads with their loads in flight together (a chunk-serial loop was
+    latency-bound: one load round trip per chunk). Returns the used M tiles."""
+    lane = cute.arch.lane_idx()
+    warp = tidx // 32
+    total, base, tile_off, part_tot, part_before, scalars = chunk_scratch(scratch)
+    for s in cutlass.range(tidx, D_PARTS * D_EXPERTS, THREADS, unroll=1):
+        e = s % D_EXPERTS
+        part = s // D_EXPERTS
+        tot = cutlass.Int32(0)
+        before = cutlass.Int32(0)
+        for cc in cutlass.range(part, chunks, D_PARTS, unroll=D_SUM_UNROLL):
+            h = chunk_hist[cc, e]
+            tot = tot + h
+            if cc < c:
+                before = before + h
+        part_tot[s] = tot
+        part_before[s] = before
+    cute.arch.sync_threads()
+    for e in cutlass.range(tidx, D_EXPERTS, THREADS, unroll=1):
+        tot = cutlass.Int32(0)
+        before = cutlass.Int32(0)
+        for part in cutlass.range_constexpr(D_PARTS):
+            tot = tot + part_tot[part * D_EXPERTS + e]
+            before = before + part_before[part * D_EXPERTS + e]
+        total[e] = tot
+        base[e] = before
+    cute.arch.sync_threads()
+    if warp == 0:  # 32 experts at a time
+        running = cutlass.Int32(0)
+        for e0 in cutlass.range(0, D_EXPERTS, 32, unroll=1):
+            e = e0 + lane
+            tiles = cutlass.Int32(0)
+            if e < D_EXPERTS:
+                tiles = expert_tiles(total[e])
+            incl = tiles
+            for sh in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << sh)
+                if lane >= (1 << sh):
+                    incl = incl + up
+            if e < D_EXPERTS:
+                tile_off[e] = running + incl - tiles
+            running = running + cute.arch.shuffle_sync(incl, 31)
+        if lane == 0:
+            scalars[0] = running
+    cute.arch.sync_threads()
+    for e in cutlass.range(tidx, D_EXPERTS, THREADS, unroll=1):
+        base[e] = tile_off[e] * D_TILE_M + base[e]
+    tiles_total = scalars[0]
+    cute.arch.sync_threads()
+    return tiles_total
+
+
+@cute.jit
+def chunk_scratch(scratch: cute.Tensor):
+    """The phases' shared-memory arrays, carved from D_CHUNK_SCRATCH ints: total, base,
+    tile_off, part_tot, part_before, scalars (warp_next follows them, see place_chunk)."""
+    p = scratch.iterator
+    total = cute.make_tensor(p, cute.make_layout(D_EXPERTS))
+    base = cute.make_tensor(p + D_EXPERTS, cute.make_layout(D_EXPERTS))
+    tile_off = cute.make_tensor(p + 2 * D_EXPERTS, cute.make_layout(D_EXPERTS))
+    part_tot = cute.make_tensor(p + 3 * D_EXPERTS, cute.make_layout(D_PARTS * D_EXPERTS))
+    part_before = cute.make_tensor(p + (3 + D_PARTS) * D_EXPERTS, cute.make_layout(D_PARTS * D_EXPERTS))
+    scalars = cute.make_tensor(p + (3 + 2 * D_PARTS) * D_EXPERTS, cute.make_layout(2))
+    return total, base, tile_off, part_tot, part_before, scalars
+
+
+@cute.jit
+def chunk_tables(first: cutlass.Int32, stride: cutlass.Int32, tiles_total: cutlass.Int32, scratch: cute.Tensor,
+                 counts: cute.Tensor, row_token: cute.Tensor, tile_expert: cute.Tensor,
+                 tile_counters: cute.Tensor, h_ready: cute.Tensor, last: cutlass.Boolean,
+                 tidx: cutlass.Int32):
+    """Per-expert tables, one warp per expert, experts first + w, first + w + stride, ... (w this
+    CTA's warp; at small T one CTA holds all the pairs, and a loop over the experts with the
+    whole CTA on each made the scatter 13.6 us at E64 T=64, against 3.6 for the per-expert
+    kernels): counts[e], tile_expert[m] = e for e's M tiles, row_token = -1 for its padding rows;
+    where `last`, tile_expert = -1 after the last used tile and the used M tiles for the fused GEMM."""
+    lane = cute.arch.lane_idx()
+    total, _, tile_off, _, _, _ = chunk_scratch(scratch)
+    for e in cutlass.range(first + tidx // 32, D_EXPERTS, stride, unroll=1):
+        my_count = total[e]
+        my_tiles = expert_tiles(my_count)
+        first_tile = tile_off[e]
+        if lane == 0:
+            counts[e] = my_count
+        for i in cutlass.range(lane, my_tiles, 32, unroll=1):
+            tile_expert[first_tile + i] = e
+            h_ready[first_tile + i] = 0  # the fused GEMM's per-M-tile count of finished gate/up tiles
+        for i in cutlass.range(my_count + lane, my_tiles * D_TILE_M, 32, unroll=1):
+            row_token[first_tile * D_TILE_M + i] = -1
+    if last:
+        for i in cutlass.range(tiles_total + tidx, cute.size(tile_expert), THREADS, unroll=1):
+            tile_expert[i] = -1
+        if tidx == 0:
+            tile_counters[D_USED_SLOT] = tiles_total  # used M tiles: the fused GEMM's tile range
+
+
+@cute.jit
+def place_chunk(ids: cute.Tensor, c: cutlass.Int32, chunk_hist: cute.Tensor, scratch: cute.Tensor, pos: cute.Tensor,
+                row_token: cute.Tensor, tile_counters: cute.Tensor, tidx: cutlass.Int32):
+    """Block-wide, after chunk_layout(c): rank chunk c's pairs stably and write pos and
+    row_token. Warp w owns D_SEG consecutive pairs; per 32-pair step, match.sync finds the lanes
+    with the same expert and a lane's rank is the number of such lanes below it, after the
+    counts of the warps before it and of the chunks before c. So positions follow (token, slot)
+    order: the same routing always gives the same positions (the per-expert dispatch's, bit for
+    bit). A chunk with ids that are neither an expert nor D_EMPTY records D_BAD_IDS."""
+    lane = cute.arch.lane_idx()
+    warp = tidx // 32
+    n = cute.size(ids)
+    _, base, _, _, _, _ = chunk_scratch(scratch)
+    warp_next = cute.make_tensor(scratch.iterator + (3 + 2 * D_PARTS) * D_EXPERTS + 2,
+                                 cute.make_layout(D_WARPS * D_EXPERTS))
+    if tidx == 0:
+        if chunk_hist[c, D_EXPERTS] != 0:
+            tile_counters[D_STATUS_SLOT] = D_BAD_IDS
+    for e in cutlass.range(tidx, D_WARPS * D_EXPERTS, THREADS, unroll=1):
+        warp_next[e] = 0
+    cute.arch.sync_threads()
+    # Pass 1: how many pairs of each expert every warp's segment holds.
+    seg0 = c * D_CHUNK + warp * D_SEG
+    below = (cutlass.Uint32(1) << cutlass.Uint32(lane)) - cutlass.Uint32(1)
+    for step in cutlass.range_constexpr(D_SEG // 32):
+        e = chunk_expert_of(ids, seg0 + step * 32 + lane, n)
+        peers = cute.arch.match_sync(D_FULL_MASK, e)
+        if e >= 0:
+            if (peers & below) == cutlass.Uint32(0):  # the lowest lane of its group counts it
+                warp_next[warp * D_EXPERTS + e] = warp_next[warp * D_EXPERTS + e] + cutlass.Int32(cute.arch.popc(peers))
+        cute.arch.sync_warp()
+    cute.arch.sync_threads()
+    # The first position of each warp's pairs of each expert: after the warps before it.
+    for e in cutlass.range(tidx, D_EXPERTS, THREADS, unroll=1):
+        running = base[e]
+        for w in cutlass.range_constexpr(D_WARPS):
+            cnt = warp_next[w * D_EXPERTS + e]
+            warp_next[w * D_EXPERTS + e] = running
+            running = running + cnt
+    cute.arch.sync_threads()
+    # Pass 2: positions, in (token, slot) order.
+    for step in cutlass.range_constexpr(D_SEG // 32):
+        i = seg0 + step * 32 + lane
+        e = chunk_expert_of(ids, i, n)
+        peers = cute.arch.match_sync(D_FULL_MASK, e)
+        if e >= 0:
+            rank = warp_next[warp * D_EXPERTS + e] + cutlass.Int32(cute.arch.popc(peers & below))
+            pos[i] = rank
+            row_token[rank] = i // D_TOPK
+        elif i < n:
+            if ids[i] == D_EMPTY:
+                pos[i] = -1  # an empty slot has no row (the SwiGLU backward finds a row's slot through pos)
+        cute.arch.sync_warp()
+        if e >= 0:
+            if (peers & below) == cutlass.Uint32(0):
+                warp_next[warp * D_EXPERTS + e] = warp_next[warp * D_EXPERTS + e] + cutlass.Int32(cute.arch.popc(peers))
+        cute.arch.sync_warp()
+    cute.arch.sync_threads()  # the scratch may be used again (the next chunk)
+
 R_EXPERTS = 64
 R_TOPK = 8
 R_RENORMALIZE = False
@@ -526,14 +733,19 @@ def arrive_and_wait(launch_sync: cute.Tensor, which: cutlass.Constexpr, add: cut
 def dispatch_in_launch(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, row_token: cute.Tensor,
                        tile_expert: cute.Tensor, h_ready: cute.Tensor, tile_counter: cute.Tensor,
                        launch_sync: cute.Tensor, warp_buf: cute.Tensor, scalars: cute.Tensor,
+                       chunk_hist: cute.Tensor, scratch: cute.Tensor,
                        tidx: cutlass.Int32, logits: cute.Tensor, ids2d: cute.Tensor,
                        weights: cute.Tensor):
     """The launch's first phases, every thread of every CTA taking part:
     route: one token per warp of the launch (ids, weights), then every CTA waits until
     launch_sync[SYNC_ROUTED] counts all of them;
-    count: CTA b counts experts b, b + grid, ... (CTA 0 first zeroes tile_counter: the tile
-    schedulers, the completion counters and the error code), then waits until
-    launch_sync[SYNC_COUNTED] says every expert is counted;
+    count: CTA b histograms chunks b, b + grid, ... of D_CHUNK pairs into chunk_hist (CTA 0 first
+    zeroes tile_counter: the tile schedulers, the completion counters and the error code), then
+    waits until launch_sync[SYNC_COUNTED] counts every chunk;
+    place: every CTA sums the chunks' counts (each expert's count, segment and first M tile),
+    writes the tables of experts b * warps + w, strided by grid * warps (one per warp), and
+    ranks and places its chunks' pairs; then waits until launch_sync[SYNC_PLACED] counts every
+    CTA (the chunked dispatch kernels' code, templates/dispatch_chunks.py.j2);
     place: it places the same experts, then waits until launch_sync[SYNC_PLACED] says every
     expert is placed; then the tiles may start.
     Every wait is bounded (on timeout: the error code, and no further phase, tile or
@@ -554,25 +766,29 @@ def dispatch_in_launch(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, 
     failed = arrive_and_wait(launch_sync, SYNC_ROUTED, cutlass.Int32(1), grid, status, failed, scalars, tidx)
     if failed:  # the ids may be incomplete: count nothing
         mine = cutlass.Int32(0)
-    for i in cutlass.range(mine, unroll=1):
-        e = block + i * grid
-        total = count_expert(ids, e, tidx, warp_buf)
-        if tidx == 0:
-            counts[e] = total
-    failed = arrive_and_wait(launch_sync, SYNC_COUNTED, mine, D_EXPERTS, status, failed,
-                             scalars, tidx)
-    if failed:  # the counts may be incomplete: place nothing
-        mine = cutlass.Int32(0)
-    counts_seen = counts
-    for i in cutlass.range(mine, unroll=1):
-        scatter_expert(ids, counts_seen, block + i * grid, pos, row_token, tile_expert, tile_counter, h_ready, tidx,
-                       warp_buf, scalars)
-    if tidx < 32:
-        _, used, _ = expert_prefix(counts_seen, 0, tidx)
-        if tidx == 0:
-            scalars[0] = used
-    failed = arrive_and_wait(launch_sync, SYNC_PLACED, mine, D_EXPERTS, status, failed, scalars, tidx)
-    used_tiles = scalars[0]
+    # count: this CTA's chunks of pairs, then every chunk's histogram is known.
+    chunks = (cute.size(ids) + D_CHUNK - 1) // D_CHUNK
+    my_chunks = cutlass.Int32(0)
+    if block < chunks:
+        my_chunks = (chunks - 1 - block) // grid + 1
+    if failed:  # the ids may be incomplete: count nothing
+        my_chunks = cutlass.Int32(0)
+    for i in cutlass.range(my_chunks, unroll=1):
+        count_chunk(ids, chunk_hist, block + i * grid, scratch, tidx)
+    failed = arrive_and_wait(launch_sync, SYNC_COUNTED, my_chunks, chunks, status,
+                             failed, scalars, tidx)
+    # place: the tables of this CTA's experts, then its chunks' pairs (none after a failed wait:
+    # the histograms may be incomplete).
+    used_tiles = cutlass.Int32(0)
+    if not failed:
+        used_tiles = chunk_layout(chunk_hist, block, chunks, scratch, tidx)
+        chunk_tables(block * D_WARPS, grid * D_WARPS, used_tiles, scratch, counts, row_token, tile_expert,
+                     tile_counter, h_ready, block == 0, tidx)
+        for i in cutlass.range(my_chunks, unroll=1):
+            if i > 0:  # the first rows of this chunk's pairs of each expert
+                chunk_layout(chunk_hist, block + i * grid, chunks, scratch, tidx)
+            place_chunk(ids, block + i * grid, chunk_hist, scratch, pos, row_token, tile_counter, tidx)
+    failed = arrive_and_wait(launch_sync, SYNC_PLACED, cutlass.Int32(1), grid, status, failed, scalars, tidx)
     if failed:
         used_tiles = cutlass.Int32(0)
     if tidx == 0:  # every CTA is past every wait once SYNC_PASSED reaches grid: the last resets them
@@ -666,6 +882,7 @@ class GemmFusedRouted:
         out: cute.Tensor,
         counts: cute.Tensor,
         launch_sync: cute.Tensor,
+        chunk_hist: cute.Tensor,
         logits: cute.Tensor,
         stream: cuda.CUstream,
     ):
@@ -737,7 +954,7 @@ class GemmFusedRouted:
             # flat (T*K) views of the routing for the dispatch phase
             cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * D_TOPK)),
             cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * D_TOPK)),
-            counts, launch_sync, logits,
+            counts, launch_sync, chunk_hist, logits,
             self.tiled_mma,
             self.a_smem_staged,
             self.b_smem_staged,
@@ -773,6 +990,7 @@ class GemmFusedRouted:
         pos_flat: cute.Tensor,
         counts: cute.Tensor,
         launch_sync: cute.Tensor,
+        chunk_hist: cute.Tensor,
         logits: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
@@ -797,6 +1015,9 @@ class GemmFusedRouted:
         m_tiles_total, dispatch_failed = dispatch_in_launch(
             ids_flat, counts, pos_flat, row_token, tile_expert, h_ready, tile_counter, launch_sync,
             storage.d_warp.get_tensor(cute.make_layout(THREADS // 32)), storage.d_scalars.get_tensor(cute.make_layout(2)),
+            chunk_hist,
+            # (scratch in the A stages: no tile has started)
+            cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=cutlass.Int32), cute.make_layout(D_CHUNK_SCRATCH)),
             tidx, logits, ids, weights)
         b_bytes = NUM_B * cute.size_in_bytes(self.io_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
         # Full barriers: the TMA thread (+ B bytes) and one arrive per producer warp
@@ -1216,6 +1437,6 @@ def compile_entry(fake, entry):
     args.append(fake("c"))
     args += [fake("c2"), fake("h_ready")]
     args += [fake("ids"), fake("weights"), fake("pos"), fake("out")]
-    args += [fake("counts"), fake("launch_sync")] + [fake("logits")]
+    args += [fake("counts"), fake("launch_sync")] + [fake("chunk_hist")] + [fake("logits")]
     args.append(fake.stream())
     return GemmFusedRouted(), tuple(args)

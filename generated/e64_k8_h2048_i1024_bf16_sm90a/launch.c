@@ -200,7 +200,8 @@ int mokgen_gemm_fused_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_gemm_fused_Tensor_out_t arg_out = {data[13], {dyn[9]}};
     mokgen_gemm_fused_Tensor_counts_t arg_counts = {data[14]};
     mokgen_gemm_fused_Tensor_launch_sync_t arg_launch_sync = {data[15]};
-    return cute_dsl_mokgen_gemm_fused_wrapper(&mod_gemm_fused, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, (cudaStream_t)stream);
+    mokgen_gemm_fused_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    return cute_dsl_mokgen_gemm_fused_wrapper(&mod_gemm_fused, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, (cudaStream_t)stream);
 }
 
 /* gemm_fused_routed: gemm stage, gemm_fused_routed.py:main */
@@ -231,8 +232,9 @@ int mokgen_gemm_fused_routed_launch(void **data, const int32_t *dyn, void *strea
     mokgen_gemm_fused_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
     mokgen_gemm_fused_routed_Tensor_counts_t arg_counts = {data[14]};
     mokgen_gemm_fused_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
-    mokgen_gemm_fused_routed_Tensor_logits_t arg_logits = {data[16], {dyn[10]}};
-    return cute_dsl_mokgen_gemm_fused_routed_wrapper(&mod_gemm_fused_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, (cudaStream_t)stream);
+    mokgen_gemm_fused_routed_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
+    return cute_dsl_mokgen_gemm_fused_routed_wrapper(&mod_gemm_fused_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, (cudaStream_t)stream);
 }
 
 /* gemm_fused_small: gemm stage, gemm_fused_small.py:main */

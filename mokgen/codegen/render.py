@@ -51,7 +51,8 @@ def _context_key(template: str) -> str:
 def _includes(k: KernelPlan) -> list[str]:
     """Templates a kernel's template includes (their hashes decide staleness too)."""
     ep_rows = k.template == "ep_exchange.py.j2" or k.params.get("ep_return") or k.params.get("send_in_gemm")
-    phases = k.template == "dispatch.py.j2" or k.params.get("dispatch")
+    phases = k.template in ("dispatch.py.j2", "dispatch_chunked.py.j2") or k.params.get("dispatch")
+    chunks = k.template == "dispatch_chunked.py.j2" or k.params.get("dispatch", {}).get("chunk")
     route = k.template in ("route.py.j2", "route_backward.py.j2") or k.params.get("route")
     fp8_units = k.template in ("grouped_gemm_fp8.py.j2", "grouped_gemm_fp8_wgrad.py.j2")
     fp8_tile = k.template in ("quantize_blocks_fp8.py.j2", "quantize_cols_fp8.py.j2")
@@ -59,6 +60,7 @@ def _includes(k: KernelPlan) -> list[str]:
     task_record = k.params.get("profile") and k.template in ("dispatch.py.j2", "dispatch_chunked.py.j2",
                                                              "grouped_gemm_persistent.py.j2", "combine.py.j2")
     return (["ep_rows.py.j2"] if ep_rows else []) + (["dispatch_phases.py.j2"] if phases else []) \
+        + (["dispatch_chunks.py.j2"] if chunks else []) \
         + (["route_phases.py.j2"] if route else []) + (["fp8_units.py.j2"] if fp8_units else []) \
         + (["fp8_block_tile.py.j2"] if fp8_tile else []) + (["fp8_divide.py.j2"] if fp8_divide else []) \
         + (["task_record.py.j2"] if task_record else [])

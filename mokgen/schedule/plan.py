@@ -535,9 +535,14 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         steps["forward_fused" if paths == "by_tokens" else "forward"] = \
             ["gemm_fused"] if in_launch else ["dispatch_count", "dispatch_scatter", "gemm_fused"]
         if in_launch:
+            chunk = kernels[-1].params["dispatch"].get("chunk")
+            how = (f"each CTA counts, then places, every grid-th chunk of {chunk} pairs (the chunked dispatch "
+                   "kernels' code, templates/dispatch_chunks.py.j2: one step a chunk, where a CTA placing an expert "
+                   "scans every pair; every dispatch's bits)" if chunk else
+                   "each CTA counts, then places, every grid-th expert's pairs (the per-expert dispatch kernels' "
+                   "code; every dispatch's bits)")
             decisions.append(
-                "gemm_fused also dispatches: each CTA counts, then places, every grid-th expert's pairs (the "
-                "per-expert dispatch kernels' code; every dispatch's bits) before it takes tiles; two launch-wide counters order the phases "
+                f"gemm_fused also dispatches: {how} before it takes tiles; two launch-wide counters order the phases "
                 "(bounded waits; the last CTA past them zeroes them for the next call), so the forward is one launch")
             kernels.append(routed_launch(kernels[-1], spec))
             steps["forward_routed"] = ["gemm_fused_routed"]
@@ -611,6 +616,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         "combine", "reduce", "combine", "combine.py.j2", "main",
         dict(experts=d_experts, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
         cargs, grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
+    chunks = [k.params["dispatch"]["chunk"] for k in kernels if k.params.get("dispatch", {}).get("chunk")]
+    if chunks:  # the single launches' chunk histograms (the smallest chunk has the most)
+        buffers.append(Buffer("launch_hist", "i32", [_expr(sympy.ceiling(T * K / min(chunks))), str(E + 1)]))
     combining = {k.name for k in kernels if k.params.get("fused") and k.params.get("combine")}
     for entry in steps:  # a single launch may combine itself
         if not combining & set(steps[entry]):
@@ -952,9 +960,33 @@ def dispatch_in_launch(fused: KernelPlan, dparams: dict, overrides: dict, buffer
         return False
     sync = dispatch_phase(fused, dparams, buffers, fused_tables=True,
                           debug_break=bool(overrides.get("debug_break_dispatch")))
-    fused.params["dispatch"]["local_count"] = bool(overrides.get("launch_local_count", local_count))
+    d = fused.params["dispatch"]
+    d["local_count"] = bool(overrides.get("launch_local_count", local_count))
     fused.args += [KernelArg("counts", "counts", "i32", [dparams["experts"]]), sync]
+    chunk = launch_chunk(fused, overrides)
+    if chunk:
+        d.update(local_count=False, chunk=chunk)
+        fused.args.append(KernelArg("chunk_hist", "launch_hist", "i32", ["C", dparams["experts"] + 1]))
     return True
+
+
+def launch_chunk(fused: KernelPlan, overrides: dict) -> int:
+    """Pairs per chunk of a single launch's chunked dispatch phase (templates/dispatch_chunks.py.j2),
+    0 where it dispatches by experts. Chunked where the launch does not count locally (override
+    launch_chunked sets it for every single launch, or clears it): CTA b counts and places
+    chunks b, b + grid, ..., each one step of THREADS pairs per T the launch serves, where
+    CTA b would scan all T*K pairs for its expert. Its scratch lives in the A stages (no tile
+    has started), so it must fit there."""
+    d, p = fused.params["dispatch"], fused.params
+    if not overrides.get("launch_chunked", not d["local_count"]):
+        return 0
+    threads, experts = p["threads"], d["experts"]
+    parts = threads // experts if threads >= experts else 1
+    scratch = 4 * experts + 2 * parts * experts + threads // 32 * experts + 2  # dispatch_chunks.py.j2
+    if scratch * 4 > p["tile_m"] * p["tile_k"] * p["stages"] * 2:
+        return 0
+    pairs = FUSED_MAX_TOKENS * d["topk"]
+    return threads * max(1, -(-pairs // (p["sms"] * threads)))
 
 
 def dispatch_phase(fused: KernelPlan, dparams: dict, buffers: list, fused_tables: bool,
@@ -1007,7 +1039,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
-                           r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count"
+                           r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down|gemm_fused_small)"
                            r"\.(tile_n|raster|epi_stages)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
@@ -1022,7 +1054,7 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
         if key in ("debug_unchecked", "debug_break_dependency", "debug_break_dispatch", "profile", "fuse_gemms", "dispatch_chunked",
                    "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch",
-                   "fused_small", "launch_local_count"):
+                   "fused_small", "launch_local_count", "launch_chunked"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
