@@ -121,19 +121,31 @@ def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
     m_tiles = sympy.ceiling(T * K / bm) + E
     ng = math.ceil(gu["n_size"] / gu["tile_n"])
     nd = math.ceil(dn["n_size"] / dn["tile_n"])
+    chunk = plan_params.get("gemm_fused", {}).get("dispatch", {}).get("chunk")
+    if chunk:  # the launch's CTAs count and place chunks of pairs (templates/dispatch_chunks.py.j2)
+        chunks = _e(sympy.ceiling(T * K / chunk))
+        dispatch = [TaskKind("count", "send", f"a chunk of {chunk} pairs", chunks, "routed == CTAs",
+                             "counted += 1", 1),
+                    TaskKind("scatter", "send", "a CTA: its experts' tables, its chunk's pairs", "CTAs",
+                             f"counted == {chunks}", "placed += 1", 2)]
+        placed = "placed == CTAs"
+    else:
+        dispatch = [TaskKind("count", "send", "one expert", str(E), "routed == CTAs", "counted += 1", 1),
+                    TaskKind("scatter", "send", "one expert", str(E), f"counted == {E}", "placed += 1", 2)]
+        placed = f"placed == {E}"
     kinds = [
         TaskKind("route", "route", "a CTA's tokens (one per warp)", "CTAs", "-", "routed += 1", 0),
-        TaskKind("count", "send", "one expert", str(E), "routed == CTAs", "counted += 1", 1),
-        TaskKind("scatter", "send", "one expert", str(E), f"counted == {E}", "placed += 1", 2),
+        *dispatch,
         TaskKind("gateup", "gemm_gateup", f"{bm}x{gu['tile_n']} tile of h", _e(m_tiles * ng),
-                 f"placed == {E}", "h_ready[m] += 1", 3),
+                 placed, "h_ready[m] += 1", 3),
         TaskKind("down", "gemm_down", f"{bm}x{dn['tile_n']} tile of y", _e(m_tiles * nd),
                  f"h_ready[m] == {ng}", "y_done += 1", 5),
     ]
     counters = [
         Counter("routed", "1", "CTAs that routed their tokens"),
-        Counter("counted", "1", "experts counted"),
-        Counter("placed", "1", "experts whose rows are placed and tile table written"),
+        Counter("counted", "1", "chunks counted" if chunk else "experts counted"),
+        Counter("placed", "1", "CTAs whose tables and chunks are placed" if chunk
+                else "experts whose rows are placed and tile table written"),
         Counter("h_ready", _e(m_tiles), "gate/up tiles finished per M tile"),
         Counter("y_done", "1", "down tiles finished"),
     ]
