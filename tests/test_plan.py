@@ -511,6 +511,10 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
     assert "chunk" not in by_expert.kernel("gemm_fused").params["dispatch"]
     assert not any(b.name == "launch_hist" for b in by_expert.buffers)
     assert any("every grid-th expert's pairs" in d for d in by_expert.decisions)
+    # The chunks' scratch lives in the launch's A stages: where it would not fit (E1024's 64-row
+    # launch), the launch dispatches by experts.
+    wide = make_plan(MoESpec(experts=1024, topk=8, hidden=2048, intermediate=1024)).kernel("gemm_fused")
+    assert "chunk" not in wide.params["dispatch"]
     routed = p.kernel("gemm_fused_routed")
     assert p.steps["forward_routed"] == ["gemm_fused_routed"] and routed.params["route"]["experts"] == spec.experts
     assert [a.tensor for a in routed.args] == [a.tensor for a in k.args] + ["logits"]
