@@ -662,10 +662,9 @@ def dispatch_in_launch(ids: cute.Tensor, counts: cute.Tensor, pos: cute.Tensor, 
     waits until launch_sync[SYNC_COUNTED] counts every chunk;
     place: every CTA sums the chunks' counts (each expert's count, segment and first M tile),
     writes the tables of experts b * warps + w, strided by grid * warps (one per warp), and
-    ranks and places its chunks' pairs; then waits until launch_sync[SYNC_PLACED] counts every
-    CTA (the chunked dispatch kernels' code, templates/dispatch_chunks.py.j2);
-    place: it places the same experts, then waits until launch_sync[SYNC_PLACED] says every
-    expert is placed; then the tiles may start.
+    ranks and places its chunks' pairs (the chunked dispatch kernels' code,
+    templates/dispatch_chunks.py.j2), then waits until launch_sync[SYNC_PLACED] counts every
+    CTA; then the tiles may start.
     Every wait is bounded (on timeout: the error code, and no further phase, tile or
     combine). The positions, tables and bits are those of the dispatch kernels. Returns
     (used M tiles, failed), the same in every thread."""
