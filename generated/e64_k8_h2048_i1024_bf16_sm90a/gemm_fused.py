@@ -416,10 +416,10 @@ def scatter_expert(
 D_CHUNK = 384  # pairs per chunk
 D_SEG = D_CHUNK // D_WARPS  # pairs per warp, ranked 32 at a time
 # The sums over the chunks: D_PARTS threads per expert, each over every D_PARTS-th chunk
-D_PARTS = THREADS // D_EXPERTS if THREADS >= D_EXPERTS else 1
+D_PARTS = 6
 D_SUM_UNROLL = 8  # chunk_hist loads in flight per thread
 D_FULL_MASK = -1
-D_CHUNK_SCRATCH = 4 * D_EXPERTS + 2 * D_PARTS * D_EXPERTS + D_WARPS * D_EXPERTS + 2  # shared ints the phases use
+D_CHUNK_SCRATCH = 1794  # shared ints the phases use (mokgen/schedule/plan.py, chunk_scratch)
 
 
 @cute.jit

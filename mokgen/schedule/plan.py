@@ -831,6 +831,15 @@ CHUNK_THREADS = 256  # chunked dispatch: threads per CTA (8 warps)
 CHUNK_PAIRS = 1024  # and (token, slot) pairs per CTA: 4 ranking steps of 32 per warp
 
 
+def chunk_scratch(threads: int, experts: int) -> dict:
+    """The chunked dispatch phases' shared-memory needs (templates/dispatch_chunks.py.j2):
+    chunk_parts threads per expert sum the chunks' histograms, each over every chunk_parts-th
+    chunk; chunk_scratch ints hold the histogram, each expert's count, segment and first M
+    tile, the parts' sums and every warp's next position per expert."""
+    parts = threads // experts if threads >= experts else 1
+    return dict(chunk_parts=parts, chunk_scratch=4 * experts + 2 * parts * experts + threads // 32 * experts + 2)
+
+
 def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) -> list:
     """The O(T*K) dispatch (templates/dispatch_chunked.py.j2): the same outputs as the
     per-expert one, with per-chunk histograms in chunk_hist [ceil(T*K/CHUNK_PAIRS), E + 1] (the
@@ -838,7 +847,7 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
     chunks = sympy.ceiling(T * K / CHUNK_PAIRS)
     buffers.append(Buffer("chunk_hist", "i32", [_expr(chunks), str(E + 1)]))
     hist = KernelArg("chunk_hist", "chunk_hist", "i32", ["C", E + 1])
-    params = dict(dparams, threads=CHUNK_THREADS, chunk=CHUNK_PAIRS)
+    params = dict(dparams, threads=CHUNK_THREADS, chunk=CHUNK_PAIRS, **chunk_scratch(CHUNK_THREADS, E))
     count, scatter = plain
     grid = f"(ceil(T*{K}/{CHUNK_PAIRS}),)"
     count_args = [count.args[0], hist, count.args[2]]  # ids, chunk_hist, tile_counters
@@ -980,11 +989,11 @@ def launch_chunk(fused: KernelPlan, overrides: dict) -> int:
     d, p = fused.params["dispatch"], fused.params
     if not overrides.get("launch_chunked", not d["local_count"]):
         return 0
-    threads, experts = p["threads"], d["experts"]
-    parts = threads // experts if threads >= experts else 1
-    scratch = 4 * experts + 2 * parts * experts + threads // 32 * experts + 2  # dispatch_chunks.py.j2
-    if scratch * 4 > p["tile_m"] * p["tile_k"] * p["stages"] * 2:
+    threads = p["threads"]
+    scratch = chunk_scratch(threads, d["experts"])
+    if scratch["chunk_scratch"] * 4 > p["tile_m"] * p["tile_k"] * p["stages"] * 2:  # i32 in bf16 A stages
         return 0
+    d.update(scratch)
     pairs = FUSED_MAX_TOKENS * d["topk"]
     return threads * max(1, -(-pairs // (p["sms"] * threads)))
 
