@@ -29,14 +29,27 @@ def combine_kernel(
 ):
     tidx, _, _ = cute.arch.thread_idx()
     t, _, _ = cute.arch.block_idx()
+    # The token's K positions and weights first, read once: -1 (and weight 0) mark a pair that adds nothing.
+    rows_pos = cute.make_rmem_tensor((TOPK,), cutlass.Int32)
+    rows_w = cute.make_rmem_tensor((TOPK,), cutlass.Float32)
+    for k in cutlass.range_constexpr(TOPK):
+        expert = ids[t, k]
+        rows_pos[k] = pos[t, k]
+        rows_w[k] = weights[t, k]
+        if expert < 0 or expert >= EXPERTS:
+            rows_pos[k] = -1
+        if rows_pos[k] < 0:  # (sum_rows_piece: a skipped row's weight is 0)
+            rows_w[k] = 0.0
     for col in cutlass.range(tidx, HIDDEN // VEC, THREADS, unroll=1):
         acc = cute.make_rmem_tensor((1, VEC), cutlass.Float32)
+        pieces = []
+        for k in cutlass.range_constexpr(TOPK):
+            pieces.append(cute.local_tile(y, (1, VEC), (cutlass.max(rows_pos[k], 0), col)).load())
         acc.fill(0.0)
         for k in cutlass.range_constexpr(TOPK):
-            expert = ids[t, k]
-            if expert >= 0 and expert < EXPERTS:
-                yk = cute.local_tile(y, (1, VEC), (pos[t, k], col)).load().to(cutlass.Float32)
-                acc.store(acc.load() + yk * weights[t, k])
+            yk = cute.where(cute.full_like(pieces[k], rows_pos[k] >= 0, cutlass.Boolean), pieces[k].to(cutlass.Float32),
+                            cutlass.Float32(0.0))
+            acc.store(acc.load() + yk * rows_w[k])  # a skipped row: + 0 * 0 (its weight is 0)
         cute.local_tile(out, (1, VEC), (t, col)).store(acc.load().to(cutlass.BFloat16))
 
 

@@ -1198,15 +1198,19 @@ class GemmFusedSmallRouted:
                     rows_pos[k] = pos[t, k]
                     rows_w[k] = weights[t, k]
                     if e < 0 or e >= COMBINE_EXPERTS:  # out-of-range ids contribute nothing
-                        rows_w[k] = 0.0
                         rows_pos[k] = -1
+                    if rows_pos[k] < 0:  # (sum_rows_piece: a skipped row's weight is 0)
+                        rows_w[k] = 0.0
                 for col in cutlass.range(part * part_vecs + lane, (part + 1) * part_vecs, 32, unroll=COMBINE_UNROLL):
                     acc = cute.make_rmem_tensor((1, VEC), cutlass.Float32)
+                    pieces = []
+                    for k in cutlass.range_constexpr(TOPK):
+                        pieces.append(cute.local_tile(y, (1, VEC), (cutlass.max(rows_pos[k], 0), col)).load())
                     acc.fill(0.0)
                     for k in cutlass.range_constexpr(TOPK):
-                        if rows_pos[k] >= 0:
-                            yk = cute.local_tile(y, (1, VEC), (rows_pos[k], col)).load().to(cutlass.Float32)
-                            acc.store(acc.load() + yk * rows_w[k])
+                        yk = cute.where(cute.full_like(pieces[k], rows_pos[k] >= 0, cutlass.Boolean), pieces[k].to(cutlass.Float32),
+                                        cutlass.Float32(0.0))
+                        acc.store(acc.load() + yk * rows_w[k])  # a skipped row: + 0 * 0 (its weight is 0)
                     cute.local_tile(out, (1, VEC), (t, col)).store(acc.load().to(cutlass.BFloat16))
 
 
