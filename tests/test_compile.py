@@ -81,6 +81,32 @@ def test_single_launch_routes_and_dispatches_inside(built):
     assert "ex2.approx" in routed
 
 
+def test_single_launch_combine_keeps_all_k_row_loads_in_flight(built):
+    """The single launches' combine phase issues a piece's K row loads back to back, before
+    the first product (templates/combine_piece.py.j2): with a load inside the branch that skips
+    an id, ptxas had waited on each row (five loads, products, three more; docs/perf.md)."""
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed")
+    spec = PRESETS["olmoe"]
+    path = built[spec.variant] / "build"
+    for name in ("gemm_fused", "gemm_fused_small"):
+        sass = subprocess.run([tool, str(path / f"{name}.cubin")], capture_output=True, text=True,
+                              check=True).stdout
+        # Each piece ends with its 16-byte store to out: count the 16-byte loads that follow a
+        # store before the next product (the next piece's row loads).
+        counting, runs = False, [0]
+        for line in sass.splitlines():
+            if "STG.E.128" in line:
+                counting = True
+                runs.append(0)
+            elif "FFMA" in line:
+                counting = False
+            elif counting and "LDG.E.128" in line:
+                runs[-1] += 1
+        assert max(runs) >= spec.topk, f"{name}: at most {max(runs)} row loads in flight before a product"
+
+
 def test_profiling_build_compiles_and_keeps_the_fast_path_clean(tmp_path):
     """A profiling build (task records) compiles for every kernel kind, its GEMMs still
     run on HGMMA without spills, and it lives apart from the normal build."""
