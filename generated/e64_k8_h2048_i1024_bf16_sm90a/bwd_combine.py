@@ -32,9 +32,9 @@ def combine_kernel(
     # The token's K positions first, read once: -1 marks a pair that adds nothing.
     rows_pos = cute.make_rmem_tensor((TOPK,), cutlass.Int32)
     for k in cutlass.range_constexpr(TOPK):
-        expert = ids[t, k]
+        row_expert = ids[t, k]
         rows_pos[k] = pos[t, k]
-        if expert < 0 or expert >= EXPERTS:
+        if row_expert < 0 or row_expert >= EXPERTS:  # out-of-range ids contribute nothing
             rows_pos[k] = -1
     for col in cutlass.range(tidx, HIDDEN // VEC, THREADS, unroll=1):
         acc = cute.make_rmem_tensor((1, VEC), cutlass.Float32)

@@ -33,10 +33,10 @@ def combine_kernel(
     rows_pos = cute.make_rmem_tensor((TOPK,), cutlass.Int32)
     rows_w = cute.make_rmem_tensor((TOPK,), cutlass.Float32)
     for k in cutlass.range_constexpr(TOPK):
-        expert = ids[t, k]
+        row_expert = ids[t, k]
         rows_pos[k] = pos[t, k]
         rows_w[k] = weights[t, k]
-        if expert < 0 or expert >= EXPERTS:
+        if row_expert < 0 or row_expert >= EXPERTS:  # out-of-range ids contribute nothing
             rows_pos[k] = -1
         if rows_pos[k] < 0:  # (sum_rows_piece: a skipped row's weight is 0)
             rows_w[k] = 0.0

@@ -1409,10 +1409,10 @@ class GemmFusedRouted:
                 t = task // parts
                 part = task % parts
                 for k in cutlass.range_constexpr(TOPK):
-                    e = ids[t, k]
+                    row_expert = ids[t, k]
                     rows_pos[k] = pos[t, k]
                     rows_w[k] = weights[t, k]
-                    if e < 0 or e >= COMBINE_EXPERTS:  # out-of-range ids contribute nothing
+                    if row_expert < 0 or row_expert >= COMBINE_EXPERTS:  # out-of-range ids contribute nothing
                         rows_pos[k] = -1
                     if rows_pos[k] < 0:  # (sum_rows_piece: a skipped row's weight is 0)
                         rows_w[k] = 0.0
