@@ -76,8 +76,8 @@ build(ep_specs[0], default_out() / "experiments" / "ep_fused_combine", overrides
 for shape in (SHAPES[0], SHAPES[3]):
     build(spec_of(shape), default_out() / "experiments" / "wave", overrides=WAVE_OVERRIDES, force=force,
           log=lambda m: None)
-# Without the small calls' launch (the 128-row single launch down to T = 1): compare_experiment.py nosmall
-# times the default build's small calls against it.
+# Without the single launch's bands by T (the plain 128-row launch down to T = 1): compare_experiment.py
+# nosmall times the default build's bands against it.
 for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[3])] + specs[-1:]:
     build(spec, default_out() / "experiments" / "nosmall", overrides={"fused_small": False}, force=force,
           log=lambda m: None)

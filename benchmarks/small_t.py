@@ -5,8 +5,8 @@
 Paths (the first two need benchmarks/build_gpu_variants.py's experiment builds):
   multi            one launch per stage: dispatch (2), gate/up, down, combine
   apart            dispatch (2), then the fused launch (gate/up, down, combine)
-  one_launch       the default: dispatch inside the fused launch (precomputed routing); up to the
-                   Plan's small_max_tokens the small calls' launch (64-row tiles)
+  one_launch       the default: dispatch inside the fused launch (precomputed routing), in the
+                   tiles the Plan's launch_bands give this T
   route+one        the route kernel, then the one launch (from router logits)
   routed           mokgen.moe_routed's launch: route, dispatch, GEMMs and combine in one
   torch_grouped_mm the torch baseline (routing precomputed)

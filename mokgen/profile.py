@@ -23,7 +23,7 @@ from pathlib import Path
 
 def collect(variant, tokens: int, routing: str = "uniform", seed: int = 0, warmup: int = 3) -> dict:
     """Run the forward of a profiling build (the path the Plan takes at this T: the per-GEMM
-    kernels, the single launch or the small calls' launch) and return its task records, in us
+    kernels, the single launch, in its tiles for this T) and return its task records, in us
     from the first task's start: {task kind: [(sm, start_us, end_us), ...]} in launch order. A
     single launch's records are split by what they time (see single_launch_kinds)."""
     import torch

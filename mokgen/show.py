@@ -35,11 +35,13 @@ def format_plan(plan: dict) -> str:
                + ")")
     if plan.get("side_stream"):
         out.append("          on a second stream, beside the kernels after them: " + ", ".join(plan["side_stream"]))
-    if "forward_small" in plan["steps"]:
-        out.append(f"          calls with T <= {plan['small_max_tokens']}: "
-                   + " -> ".join(plan["steps"]["forward_small"])
-                   + (" (from router logits: " + " -> ".join(plan["steps"]["forward_routed_small"]) + ")"
-                      if "forward_routed_small" in plan["steps"] else ""))
+    low = 1
+    for top, entry in plan.get("launch_bands", []):
+        routed = entry.replace("forward_", "forward_routed_", 1) if entry != "forward_fused" else "forward_routed"
+        out.append(f"          calls with {low} <= T <= {top}: " + " -> ".join(plan["steps"][entry])
+                   + (" (from router logits: " + " -> ".join(plan["steps"][routed]) + ")"
+                      if routed in plan["steps"] else ""))
+        low = top + 1
     if "forward_fused" in plan["steps"]:
         out.append(f"          calls with T <= {plan['fused_max_tokens']}: "
                    + " -> ".join(plan["steps"]["forward_fused"]))
@@ -105,10 +107,11 @@ def format_task_graph(plan: dict, tokens=(64, 256, 1024, 4096, 16384)) -> str:
         if any(k["name"] == "gemm_fused_routed" for k in plan["kernels"]):
             status = (f"generated: for {when}, gemm_fused runs the {tasks} tasks in one launch, and "
                       "gemm_fused_routed (mokgen.moe_routed) the route tasks first")
-            small = next((k for k in plan["kernels"] if k["name"] == "gemm_fused_small"), None)
-            if small is not None:
-                status += (f"; calls with T <= {plan['small_max_tokens']} run the same tasks in gemm_fused_small "
-                           f"(and gemm_fused_small_routed), {small['params']['tile_m']}-row M tiles")
+            bands = [k for k in plan["kernels"] if k["params"].get("swap") and not k["name"].endswith("_routed")]
+            if bands:
+                status += ("; by T (launch_bands), the same tasks run in " + ", ".join(
+                    f"{k['name']} ({k['params']['tile_m']} token rows)" for k in bands)
+                    + ", swapped tiles, each with its routing twin")
         elif p.get("ep_return"):
             tasks += " (each down tile returning its rows)"
             after = "" if p.get("combine") else "; the wait for the returned rows and the combine follow it"

@@ -69,6 +69,30 @@ def test_gemm_sass_uses_hgmma_without_local_memory(built, spec):
         assert not any(op in sass for op in ("LDL", "STL")), f"{cubin.name}: local-memory traffic (spills)"
 
 
+def test_swapped_tiles_put_the_token_rows_on_the_wgmma_n(built):
+    """The single launch's bands by T run swapped tiles: the wgmma's N is the band's token rows
+    (HGMMA.64x<rows>), the weights its M, and the epilogue stores C transposed (stmatrix .trans);
+    the 32-row band reads K blocks of 128 (16 wgmma per stage, two accumulators)."""
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed")
+    import json
+
+    spec = PRESETS["olmoe"]
+    path = built[spec.variant]
+    plan = json.loads((path / "manifest.json").read_text())["plan"]
+    bands = [k for k in plan["kernels"] if k["params"].get("swap")]
+    assert {k["params"]["tile_m"] for k in bands} == {32, 64, 96, 160}
+    for k in bands:
+        sass = subprocess.run([tool, str(path / "build" / f"{k['name']}.cubin")], capture_output=True, text=True,
+                              check=True).stdout
+        n = k["params"]["tile_m"]
+        hgmma = [line for line in sass.splitlines() if "HGMMA." in line]
+        assert hgmma and all(f"HGMMA.64x{n}x16.F32.BF16" in line for line in hgmma), k["name"]
+        assert len(hgmma) == 2 * k["params"]["tile_k"] // 16, k["name"]
+        assert "STSM.16.MT88" in sass, k["name"]
+
+
 def test_single_launch_routes_and_dispatches_inside(built):
     """The one-launch forward: its counters are released once per CTA and polled with
     acquire loads (no atomics in the spin), and its routing twin routes with warp shuffles."""
@@ -90,7 +114,7 @@ def test_single_launch_combine_keeps_all_k_row_loads_in_flight(built):
         pytest.skip("nvdisasm not installed")
     spec = PRESETS["olmoe"]
     path = built[spec.variant] / "build"
-    for name in ("gemm_fused", "gemm_fused_small"):
+    for name in ("gemm_fused", "gemm_fused_n32", "gemm_fused_n160"):
         sass = subprocess.run([tool, str(path / f"{name}.cubin")], capture_output=True, text=True,
                               check=True).stdout
         # Each piece ends with its 16-byte store to out: count the 16-byte loads that follow a

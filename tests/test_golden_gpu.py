@@ -212,8 +212,8 @@ def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
         out = mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False)
         mokgen.check_errors()
         assert torch.isfinite(out.float()).all()
-    # Every id garbage (any int32): the small calls' launch, the single launch and the per-GEMM
-    # path report it; none faults.
+    # Every id garbage (any int32): the single launch's 32-row and 160-row bands and the
+    # per-GEMM path report it; none faults.
     for T in (64, 1024, 4096):
         x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], T, "uniform", gen)
         garbage = torch.randint(-2**31, 2**31 - 1, ids.shape, device="cuda", dtype=torch.int32, generator=gen)
@@ -270,7 +270,7 @@ def test_device_errors_reach_the_host_from_graph_replays_and_the_next_call(T, ge
     """The status mirror (the one-thread launch behind every call) writes a set error code to
     the pinned host word: a replay of a captured call with bad ids raises at check_errors and
     again at the next call once it has finished, a clean replay after it raises nothing, and a
-    clean call leaves the word at 0 (every path: the small calls' launch, the single launch,
+    clean call leaves the word at 0 (every path: the single launch's bands at T = 64 and 1000,
     the per-GEMM path)."""
     import mokgen
     from mokgen.runtime import InputError
@@ -406,8 +406,8 @@ def test_a_deadlocked_kernel_fails_fast_instead_of_hanging(broken):
 @pytest.mark.parametrize("T", [64, 1000, 4096])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[4]], ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
 def test_profiling_build_is_golden_and_records_every_task(shape, T, gen, tmp_path):
-    """The profiling build runs the path the Plan takes at T (the small calls' launch, the
-    single launch, the per-GEMM kernels), gives the normal build's answer, and records every
+    """The profiling build runs the path the Plan takes at T (the single launch in its band's
+    tiles, the per-GEMM kernels), gives the normal build's answer, and records every
     task once: every tile, and a single launch's dispatch and combine phases per CTA."""
     import math
 
@@ -571,6 +571,40 @@ def test_experiment_gives_the_same_bits(experiment, shape, T, routing, gen):
     got = exp.forward(x, ids, w, wg, wu, wd, sg, su, sd)
     assert not torch.isnan(got).any()
     assert torch.equal(got, want)
+
+
+def band_tokens(plan):
+    """Each band of the single launch's tiles by T (launch_bands): its first and last T and an
+    odd one between."""
+    out, low = [], 1
+    for top, _ in plan["launch_bands"]:
+        out += sorted({low, (low + top) // 2 | 1, top})
+        low = top + 1
+    return out
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3]], ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
+def test_every_band_of_the_single_launch_is_golden_and_gives_the_multi_kernel_bits(shape, routing, gen):
+    """The single launch in each of its tile sizes (swapped tiles of 32 to 160 token rows, the
+    plain 128-row tiles), at the first, a middle and the last T of its band: against the float64
+    reference, with poisoned workspace and output, and bit for bit the multi-kernel path's."""
+    import mokgen
+    from mokgen.reference import moe_reference, rel_error
+    from mokgen.runtime import Variant
+    from mokgen.verify import run_poisoned
+
+    plain = mokgen.load(spec_of(shape))
+    multi = Variant(built_path(spec_of(shape), experiment_dir("multi"), SAME_BITS_EXPERIMENTS["multi"]))
+    assert any(e.startswith("forward_n") for _, e in plain.plan["launch_bands"])
+    for T in band_tokens(plain.plan):
+        inputs = make_inputs(shape, T, routing, gen)
+        got = run_poisoned(plain, inputs)
+        x, ids, w, wg, wu, wd, _ = inputs
+        assert not torch.isnan(got).any(), (T, plain.forward_entry(T))
+        err = rel_error(got, moe_reference(x, ids, w, wg, wu, wd))
+        assert err <= TOL, (T, plain.forward_entry(T), err)
+        assert torch.equal(got, run_poisoned(multi, inputs)), (T, plain.forward_entry(T))
 
 
 # The fused launch claiming its tiles in wavefront order (down tiles from early on, 33 M tiles

@@ -7,7 +7,7 @@ import sympy
 
 from mokgen.ir import PRESETS, MoESpec, forward_graph
 from mokgen.schedule import H200, Plan, PlanError, choose_gemm_tiling, make_plan
-from mokgen.schedule.plan import SMALL_ROW_TILE, check_plan
+from mokgen.schedule.plan import SWAP_ACC_MAX, check_plan
 
 SPECS = list(PRESETS.values()) + [MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
                                   MoESpec(experts=1, topk=1, hidden=64, intermediate=64)]
@@ -32,10 +32,13 @@ def test_plan_invariants(spec):
         if k.template == "grouped_gemm_persistent.py.j2":
             prm = k.params
             accs = 2 if prm["epilogue"] == "swiglu" else 1
-            # accumulator registers per thread stay within the 128-register budget
-            assert prm["tile_m"] * prm["tile_n"] * accs // (128 * prm["mma_warpgroups"]) <= 128
-            # (the small calls' single launch lays its rows out in its own, smaller tile)
-            assert prm["tile_m"] == (SMALL_ROW_TILE if k.name.startswith("gemm_fused_small") else p.row_tile)
+            # accumulator registers per thread stay within the 128-register budget (swapped
+            # tiles: SWAP_ACC_MAX, check_swap_tiling)
+            assert prm["tile_m"] * prm["tile_n"] * accs // (128 * prm["mma_warpgroups"]) <= (
+                SWAP_ACC_MAX if prm.get("swap") else 128)
+            # (the single launch's bands by T lay their rows out in their own tiles)
+            assert prm["tile_m"] == (int(k.name.split("_")[2][1:]) if k.name.startswith("gemm_fused_n") else p.row_tile)
+            assert bool(prm.get("swap")) == k.name.startswith("gemm_fused_n")
     for entry, steps in p.steps.items():
         assert all(any(k.name == s for k in p.kernels) for s in steps)
     assert p.steps["forward"][-1] == "combine"
@@ -367,7 +370,7 @@ def test_tune_survives_failing_candidates(tmp_path):
 def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     p = make_plan(spec)
     # (the fused launch's routing twin shares its slot: one of the two runs per call)
-    twins = ("gemm_fused_routed", "gemm_fused_small", "gemm_fused_small_routed")
+    twins = tuple(k.name for k in p.kernels if k.name.startswith("gemm_fused_"))
     gemms = [k for k in p.kernels if k.template == "grouped_gemm_persistent.py.j2" and k.name not in twins]
     for twin in twins:
         if twin in {k.name for k in p.kernels}:
@@ -385,7 +388,8 @@ def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     assert p.kernel("status_mirror").params["status_slot"] == fused["status_slot"]
     assert set(p.steps) == {"forward", "forward_fused", "forward_routed", "route", "route_backward", "status"} | (
         {"forward_train", "backward", "backward_recompute"}) | (
-        {"forward_small", "forward_routed_small"} if not spec.shared_intermediate else set())
+        {f"forward{r}_n{n}" for n in (32, 64, 96, 160) for r in ("", "_routed")} if not spec.shared_intermediate
+        else set())
     for entry, forward in p.steps.items():
         if entry.startswith("route") or entry == "status":
             continue
@@ -418,16 +422,17 @@ def test_profiling_build_gives_every_forward_kernel_a_task_record_buffer():
         assert k.params.get("profile") and k.args[-1].name == "prof" and k.args[-1].tensor == f"prof_{name}"
         assert bufs[f"prof_{name}"].init == "zeros" and bufs[f"prof_{name}"].shape[1] == "3"
     assert not prof.kernel("route").params.get("profile")  # not part of the forward
-    # Every forward path records: the per-GEMM kernels, the single launch, the small calls'
-    # launch (not the routing twins, which run the same tiles).
+    # Every forward path records: the per-GEMM kernels, the single launch, its bands by T (not
+    # the routing twins, which run the same tiles).
     assert prof.steps["forward_fused"] == ["gemm_fused"] and prof.kernel("gemm_fused").params["profile"]
     assert not prof.kernel("gemm_fused_routed").params["profile"]
     assert "prof_gemm_fused" in bufs and "prof_gemm_fused_routed" not in bufs
     olmoe = make_plan(PRESETS["olmoe"], overrides={"profile": True})
-    small = olmoe.kernel("gemm_fused_small")
-    assert small.params["profile"] and small.args[-1].tensor == "prof_gemm_fused_small"
-    rows = sympy.sympify(next(b for b in olmoe.buffers if b.name == "prof_gemm_fused_small").shape[0])
-    assert rows.subs("T", 64) == (math.ceil(64 * 8 / 64) + 64) * (1024 // small.params["tile_n"]
+    small = olmoe.kernel("gemm_fused_n32")
+    assert small.params["profile"] and small.args[-1].tensor == "prof_gemm_fused_n32"
+    assert not olmoe.kernel("gemm_fused_n32_routed").params["profile"]
+    rows = sympy.sympify(next(b for b in olmoe.buffers if b.name == "prof_gemm_fused_n32").shape[0])
+    assert rows.subs("T", 64) == (math.ceil(64 * 8 / 32) + 64) * (1024 // small.params["tile_n"]
                                                                   + small.params["n2_tiles"]) + 2 * olmoe.target["sms"]
     # One row per task: GEMM tiles bound the routed and shared GEMMs' records.
     rows = sympy.sympify(bufs["prof_gemm_down"].shape[0])
@@ -446,7 +451,7 @@ def test_single_launch_combine_spreads_each_row_over_warps():
     assert 32 * VEC == 256 and combine_parts(2048) == [1, 2, 4, 8] and combine_parts(1536) == [1, 2, 3, 6]
     assert combine_parts(32 * VEC + 64) == [1]  # not a whole number of parts: whole rows only
     p = make_plan(PRESETS["olmoe"])
-    for name in ("gemm_fused", "gemm_fused_small", "gemm_fused_routed", "gemm_fused_small_routed"):
+    for name in ("gemm_fused", "gemm_fused_n32", "gemm_fused_routed", "gemm_fused_n32_routed"):
         assert p.kernel(name).params["combine_parts"] == [1, 2, 4, 8], name
     ep = make_plan(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, world_size=2, topology="nvlink"),
                    overrides={"ep_fused_combine": True})
@@ -454,7 +459,7 @@ def test_single_launch_combine_spreads_each_row_over_warps():
     # how far a lane's pieces are unrolled: the Plan's constant, or the override, in every launch that combines
     from mokgen.schedule.plan import COMBINE_UNROLL
 
-    names = ("gemm_fused", "gemm_fused_small", "gemm_fused_routed", "gemm_fused_small_routed")
+    names = ("gemm_fused", "gemm_fused_n32", "gemm_fused_routed", "gemm_fused_n32_routed")
     assert all(p.kernel(n).params["combine_unroll"] == COMBINE_UNROLL for n in names)
     four = make_plan(PRESETS["olmoe"], overrides={"combine_unroll": 4})
     assert all(four.kernel(n).params["combine_unroll"] == 4 for n in names)
@@ -465,11 +470,14 @@ def test_single_launch_combine_spreads_each_row_over_warps():
 
 
 def test_small_launch_counts_every_expert_in_each_cta():
-    """The small calls' launch (and its routing twin) counts every expert's pairs in each CTA; the
-    128-row launch keeps one expert per CTA and a launch-wide counter; the override sets both."""
-    names = ("gemm_fused", "gemm_fused_routed", "gemm_fused_small", "gemm_fused_small_routed")
+    """The launches of small calls (up to 48 rows per expert on average, and their routing twins)
+    count every expert's pairs in each CTA; the others dispatch by chunks of pairs, with a
+    launch-wide counter; the override sets both."""
+    names = ("gemm_fused", "gemm_fused_routed", "gemm_fused_n32", "gemm_fused_n32_routed")
     p = make_plan(PRESETS["olmoe"])
     assert [p.kernel(n).params["dispatch"]["local_count"] for n in names] == [False, False, True, True]
+    assert p.kernel("gemm_fused_n64").params["dispatch"]["local_count"]  # (T <= 375: 47 rows per expert)
+    assert not p.kernel("gemm_fused_n96").params["dispatch"]["local_count"]
     for value in (True, False):
         q = make_plan(PRESETS["olmoe"], overrides={"launch_local_count": value})
         assert all(q.kernel(n).params["dispatch"]["local_count"] is value for n in names)
@@ -482,7 +490,7 @@ def test_small_launch_counts_every_expert_in_each_cta():
     assert all(every.kernel(n).params["dispatch"]["chunk"] == every.kernel(n).block for n in names)
     assert not any(every.kernel(n).params["dispatch"]["local_count"] for n in names)
     hist = next(b for b in every.buffers if b.name == "launch_hist")  # sized by the smaller chunk
-    assert sympy.sympify(hist.shape[0]).subs("T", 100) == math.ceil(800 / every.kernel("gemm_fused_small").block)
+    assert sympy.sympify(hist.shape[0]).subs("T", 100) == math.ceil(800 / every.kernel("gemm_fused").block)
     experts = make_plan(PRESETS["olmoe"], overrides={"launch_chunked": False})
     assert not any(experts.kernel(n).params["dispatch"].get("chunk") for n in names)
     assert [experts.kernel(n).params["dispatch"]["local_count"] for n in names] == [False, False, True, True]
@@ -585,38 +593,59 @@ def test_cluster_plan_pairs_an_experts_m_tiles():
         make_plan(PRESETS["olmoe"], overrides={"cluster_m": 3})
 
 
-def test_small_calls_run_the_single_launch_with_64_row_tiles():
-    """Up to SMALL_ROWS_PER_EXPERT rows per expert the single launch runs with 64-row M tiles:
-    the kernel the row_tile 64 build has, under its own name and with its own tile table."""
-    from mokgen.schedule.plan import SMALL_ROWS_PER_EXPERT
+def test_single_launch_tiles_by_tokens():
+    """The single launch's tiles by T (launch_bands): swapped tiles of the fewest token rows that
+    hold an expert's rows (mean r = T*K/E, plus SWAP_SPREAD sqrt(r)), the plain launch where its
+    128 rows do; each band a launch of its own with its routing twin, one shared tile table."""
+    from mokgen.runtime.variant import forward_entry, routed_entry
 
     spec = PRESETS["olmoe"]
     p = make_plan(spec)
-    assert p.small_max_tokens == SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk == 384
-    assert p.steps["forward_small"] == ["gemm_fused_small"]
-    assert p.steps["forward_routed_small"] == ["gemm_fused_small_routed"]
-    # (the row_tile 64 build's launch with each CTA counting every expert, as the small launch does)
-    small = p.kernel("gemm_fused_small").params
-    rt64 = make_plan(spec, overrides={"row_tile": 64, "launch_local_count": True}).kernel("gemm_fused")
-    assert small["tile_m"] == SMALL_ROW_TILE == small["row_align"] == small["dispatch"]["tile_m"]
-    assert {k: v for k, v in small.items() if k not in ("name", "class_name", "doc")} == \
-        {k: v for k, v in rt64.params.items() if k not in ("name", "class_name", "doc")}
-    tables = {a.name: a.tensor for a in p.kernel("gemm_fused_small").args}
-    assert tables["tile_expert"] == "tile_expert_s" and tables["h_ready"] == "h_ready_s"
-    sizes = {b.name: b.shape for b in p.buffers}
-    assert sizes["tile_expert_s"] == sizes["h_ready_s"] == ["ceiling(T/8) + 64"]
-    assert p.kernel("gemm_fused_small_routed").params["route"]["experts"] == spec.experts
-    # Where it is left out: a shared expert, several GPUs, one forced path, dispatch kernels
-    # before the launch, the wavefront experiment, a 64-row build, the override.
+    assert p.launch_bands == [[165, "forward_n32"], [375, "forward_n64"], [595, "forward_n96"],
+                              [821, "forward_fused"], [1050, "forward_n160"], [2048, "forward_fused"]]
+    plan = p.to_dict()
+    assert [forward_entry(plan, t) for t in (1, 64, 165, 166, 256, 512, 700, 1024, 1051, 2048, 2049)] == [
+        "forward_n32", "forward_n32", "forward_n32", "forward_n64", "forward_n64", "forward_n96", "forward_fused",
+        "forward_n160", "forward_fused", "forward_fused", "forward"]
+    assert routed_entry(plan, 64) == "forward_routed_n32" and routed_entry(plan, 700) == "forward_routed"
+    for n in (32, 64, 96, 160):
+        k = p.kernel(f"gemm_fused_n{n}").params
+        assert p.steps[f"forward_n{n}"] == [f"gemm_fused_n{n}"]
+        assert p.steps[f"forward_routed_n{n}"] == [f"gemm_fused_n{n}_routed"]
+        assert k["swap"] and k["tile_m"] == n == k["row_align"] == k["dispatch"]["tile_m"] and k["tile_n"] == 128
+        assert k["mma_warpgroups"] == 2 and 2 * n // 2 <= SWAP_ACC_MAX
+        # (weight rows 256 bytes a stage where three such stages fit: the 32-row tiles)
+        assert (k["tile_k"], k["stages"], k["epi_stages"]) == ((128, 3, 1) if n == 32 else (64, k["stages"], 2))
+        tables = {a.name: a.tensor for a in p.kernel(f"gemm_fused_n{n}").args}
+        assert tables["tile_expert"] == "tile_expert_w" and tables["h_ready"] == "h_ready_w"
+        assert p.kernel(f"gemm_fused_n{n}_routed").params["route"]["experts"] == spec.experts
+    sizes = {b.name: sympy.sympify(b.shape[0]) for b in p.buffers}
+    assert sizes["tile_expert_w"] == sizes["h_ready_w"] == sympy.sympify("ceiling(T/4) + 64")
+    # The row buffers hold the rows the per-GEMM path lays out and those of the band serving T,
+    # no more (a small call's workspace stays small).
+    from mokgen.runtime.variant import forward_entry as entry
+
+    for t in (1, 64, 165, 166, 500, 700, 1000, 1050, 1051, 2048, 16384):
+        band = entry(plan, t)
+        n = int(band[len("forward_n"):]) if band.startswith("forward_n") else 128
+        want = max((math.ceil(t * 8 / 128) + 64) * 128, (math.ceil(t * 8 / n) + 64) * n)
+        assert sizes["h"].subs("T", t) == sizes["ga"].subs("T", t) == want, t
+    # A layer with few weight tiles per SM takes tiles no larger than the plain launch's, by mean rows.
+    e40 = make_plan(MoESpec(experts=40, topk=6, hidden=1536, intermediate=640))
+    assert e40.launch_bands == [[213, "forward_n32"], [426, "forward_n64"], [640, "forward_n96"],
+                                [2048, "forward_fused"]]
+    assert make_plan(spec, overrides={"swap_rows": [64]}).launch_bands == [[375, "forward_n64"], [2048, "forward_fused"]]
+    # Where there are none: a shared expert, several GPUs, one forced path, dispatch kernels
+    # before the launch, the wavefront experiment, the overrides.
     for s, ov in [(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768), {}),
                   (MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2, topology="nvlink"), {}),
                   (spec, {"fuse_gemms": True}), (spec, {"fuse_gemms": False}), (spec, {"dispatch_in_launch": False}),
-                  (spec, {"gemm_fused.wave_lag": 33}), (spec, {"row_tile": 64}), (spec, {"fused_small": False})]:
+                  (spec, {"gemm_fused.wave_lag": 33}), (spec, {"fused_small": False}), (spec, {"swap_rows": []})]:
         q = make_plan(s, overrides=ov)
-        assert q.small_max_tokens == 0 and "forward_small" not in q.steps, (s.variant, ov)
-        assert not any(k.name.startswith("gemm_fused_small") for k in q.kernels)
-    assert make_plan(spec, overrides={"gemm_fused_small.tile_n": 64}).kernel("gemm_fused_small").params["stages"] == 8
-    with pytest.raises(PlanError):
-        make_plan(spec, overrides={"gemm_fused_small.tile_n": 256})  # (past the accumulator budget)
+        assert q.launch_bands == [] and not any(e.startswith("forward_n") for e in q.steps), (s.variant, ov)
+        assert not any(k.name.startswith("gemm_fused_n") for k in q.kernels)
     with pytest.raises(PlanError, match="true or false"):
         make_plan(spec, overrides={"fused_small": 0})
+    for bad in (32, [48], [192], [True]):
+        with pytest.raises(PlanError, match="swap_rows"):
+            make_plan(spec, overrides={"swap_rows": bad})

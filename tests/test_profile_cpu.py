@@ -18,33 +18,33 @@ def _rows(sms: int, tiles: int, used_tiles: int, phase_ctas: int, combine_ctas: 
 
 def test_single_launch_records_split_by_phase_and_tile_kind():
     plan = make_plan(PRESETS["olmoe"], overrides={"profile": True})
-    p = plan.kernel("gemm_fused_small").params
+    p = plan.kernel("gemm_fused_n32").params
     sms = plan.target["sms"]
     n_gateup, n_down = p["n_size"] // p["tile_n"], p["n2_tiles"]
     used = 64  # M tiles with rows: the first used * n_gateup tiles are gate/up, then the down tiles
     rows = _rows(sms, 200 * (n_gateup + n_down), used * (n_gateup + n_down), sms, 128)
-    kinds = single_launch_kinds("gemm_fused_small", p, rows, 64)
-    assert list(kinds) == ["gemm_fused_small dispatch", "gemm_fused_small gate/up tiles",
-                           "gemm_fused_small down tiles", "gemm_fused_small combine"]
-    assert len(kinds["gemm_fused_small dispatch"]) == sms and len(kinds["gemm_fused_small combine"]) == 128
-    assert len(kinds["gemm_fused_small gate/up tiles"]) == used * n_gateup
-    assert len(kinds["gemm_fused_small down tiles"]) == used * n_down
+    kinds = single_launch_kinds("gemm_fused_n32", p, rows, 64)
+    assert list(kinds) == ["gemm_fused_n32 dispatch", "gemm_fused_n32 gate/up tiles",
+                           "gemm_fused_n32 down tiles", "gemm_fused_n32 combine"]
+    assert len(kinds["gemm_fused_n32 dispatch"]) == sms and len(kinds["gemm_fused_n32 combine"]) == 128
+    assert len(kinds["gemm_fused_n32 gate/up tiles"]) == used * n_gateup
+    assert len(kinds["gemm_fused_n32 down tiles"]) == used * n_down
     # in us from the launch's start, as collect returns them
     records = {k: [(sm, (s - 1000) / 1e3, (e - 1000) / 1e3) for sm, s, e in r] for k, r in kinds.items()}
     s = summarize(records, sms)
-    assert s["kernels"]["gemm_fused_small dispatch"]["start_us"] == 0.0
+    assert s["kernels"]["gemm_fused_n32 dispatch"]["start_us"] == 0.0
     assert s["span_us"] == (203_000 - 1000) / 1e3
-    assert "gemm_fused_small combine" in format_summary("olmoe", 64, s)
+    assert "gemm_fused_n32 combine" in format_summary("olmoe", 64, s)
     # the tail: one group for the launch's tiles of both kinds; the dispatch and combine are not tiles
-    assert list(s["tails"]) == ["gemm_fused_small"]
+    assert list(s["tails"]) == ["gemm_fused_n32"]
     ends = {}
-    for k in ("gemm_fused_small gate/up tiles", "gemm_fused_small down tiles"):
+    for k in ("gemm_fused_n32 gate/up tiles", "gemm_fused_n32 down tiles"):
         for sm, _, e in records[k]:
             ends[sm] = max(ends.get(sm, e), e)
-    t = s["tails"]["gemm_fused_small"]
+    t = s["tails"]["gemm_fused_n32"]
     assert t["last_end_us"] == max(ends.values()) and t["first_end_us"] == min(ends.values())
     assert abs(t["mean_before_last_us"] - (max(ends.values()) - sum(ends.values()) / len(ends))) < 1e-9
-    assert "tail of gemm_fused_small" in format_summary("olmoe", 64, s)
+    assert "tail of gemm_fused_n32" in format_summary("olmoe", 64, s)
 
 
 def test_tail_groups_per_gemm_kernels_apart():

@@ -84,16 +84,20 @@ def test_calls_from_router_logits_take_the_one_launch_where_the_fused_launch_ser
     from mokgen.runtime.variant import routed_entry
 
     plan = make_plan(PRESETS["olmoe"]).to_dict()
-    bound, small = plan["fused_max_tokens"], plan["small_max_tokens"]
-    assert 0 < small < bound
+    bound, small = plan["fused_max_tokens"], plan["launch_bands"][0][0]
+    assert 0 < small < bound and plan["launch_bands"][-1][0] == bound
     assert [routes_in_launch(plan, t) for t in (0, 1, small, small + 1, bound, bound + 1)] == \
         [False, True, True, True, True, False]
     assert [forward_entry(plan, t) for t in (1, small, small + 1, bound, bound + 1)] == \
-        ["forward_small"] * 2 + ["forward_fused"] * 2 + ["forward"]
-    # the small calls' launch has its routing twin too
-    assert [routed_entry(plan, t) for t in (small, small + 1)] == ["forward_routed_small", "forward_routed"]
+        ["forward_n32"] * 2 + ["forward_n64", "forward_fused", "forward"]
+    # each band's launch has its routing twin too
+    assert [routed_entry(plan, t) for t in (small, small + 1, bound)] == \
+        ["forward_routed_n32", "forward_routed_n64", "forward_routed"]
     no_small = make_plan(PRESETS["olmoe"], overrides={"fused_small": False}).to_dict()
-    assert no_small["small_max_tokens"] == 0 and forward_entry(no_small, 1) == "forward_fused"
+    assert no_small["launch_bands"] == [] and forward_entry(no_small, 1) == "forward_fused"
+    # (a Plan built before the bands: one small calls' launch)
+    old = dict(plan, launch_bands=[], small_max_tokens=384, steps=dict(plan["steps"], forward_small=["x"]))
+    assert [forward_entry(old, t) for t in (384, 385)] == ["forward_small", "forward_fused"]
     fused_only = make_plan(PRESETS["olmoe"], overrides={"fuse_gemms": True}).to_dict()
     assert routes_in_launch(fused_only, 100000)  # its one forward path is the fused launch
     for no_launch in ({"fuse_gemms": False}, {"dispatch_in_launch": False}):
@@ -136,7 +140,7 @@ def test_release_workspaces_drops_every_kept_workspace(monkeypatch):
         v.release_workspaces = v._kept.clear
         return v
 
-    kept = [loaded({("forward_small", "cuda:0", 0): (64, {}, [])}), loaded({})]
+    kept = [loaded({("given", "cuda:0", 0): (64, {}, [], "forward_n32")}), loaded({})]
     monkeypatch.setattr(runtime, "_LOADED", {"a": kept[0], "b": kept[1]})
     mokgen.release_workspaces()
     assert all(v._kept == {} for v in kept)

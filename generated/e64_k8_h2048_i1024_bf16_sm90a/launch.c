@@ -18,8 +18,14 @@
 #include "gemm_down.h"
 #include "gemm_fused.h"
 #include "gemm_fused_routed.h"
-#include "gemm_fused_small.h"
-#include "gemm_fused_small_routed.h"
+#include "gemm_fused_n32.h"
+#include "gemm_fused_n32_routed.h"
+#include "gemm_fused_n64.h"
+#include "gemm_fused_n64_routed.h"
+#include "gemm_fused_n96.h"
+#include "gemm_fused_n96_routed.h"
+#include "gemm_fused_n160.h"
+#include "gemm_fused_n160_routed.h"
 #include "combine.h"
 #include "gemm_gateup_train.h"
 #include "bwd_recompute.h"
@@ -237,67 +243,260 @@ int mokgen_gemm_fused_routed_launch(void **data, const int32_t *dyn, void *strea
     return cute_dsl_mokgen_gemm_fused_routed_wrapper(&mod_gemm_fused_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, (cudaStream_t)stream);
 }
 
-/* gemm_fused_small: gemm stage, gemm_fused_small.py:main */
-static mokgen_gemm_fused_small_Kernel_Module_t mod_gemm_fused_small;
-static pthread_once_t once_gemm_fused_small = PTHREAD_ONCE_INIT;
-static int load_err_gemm_fused_small = 0;
-static void load_gemm_fused_small(void) {
-    mokgen_gemm_fused_small_Kernel_Module_Load(&mod_gemm_fused_small);
-    load_err_gemm_fused_small = (int)cudaGetLastError();
+/* gemm_fused_n32: gemm stage, gemm_fused_n32.py:main */
+static mokgen_gemm_fused_n32_Kernel_Module_t mod_gemm_fused_n32;
+static pthread_once_t once_gemm_fused_n32 = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n32 = 0;
+static void load_gemm_fused_n32(void) {
+    mokgen_gemm_fused_n32_Kernel_Module_Load(&mod_gemm_fused_n32);
+    load_err_gemm_fused_n32 = (int)cudaGetLastError();
 }
-int mokgen_gemm_fused_small_launch(void **data, const int32_t *dyn, void *stream) {
-    pthread_once(&once_gemm_fused_small, load_gemm_fused_small);
-    if (load_err_gemm_fused_small) return load_err_gemm_fused_small;
+int mokgen_gemm_fused_n32_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n32, load_gemm_fused_n32);
+    if (load_err_gemm_fused_n32) return load_err_gemm_fused_n32;
     (void)dyn;
-    mokgen_gemm_fused_small_Tensor_a_t arg_a = {data[0], {dyn[0]}};
-    mokgen_gemm_fused_small_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
-    mokgen_gemm_fused_small_Tensor_b0_t arg_b0 = {data[2]};
-    mokgen_gemm_fused_small_Tensor_b1_t arg_b1 = {data[3]};
-    mokgen_gemm_fused_small_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
-    mokgen_gemm_fused_small_Tensor_tile_counter_t arg_tile_counter = {data[5]};
-    mokgen_gemm_fused_small_Tensor_b2_t arg_b2 = {data[6]};
-    mokgen_gemm_fused_small_Tensor_c_t arg_c = {data[7], {dyn[3]}};
-    mokgen_gemm_fused_small_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
-    mokgen_gemm_fused_small_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
-    mokgen_gemm_fused_small_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
-    mokgen_gemm_fused_small_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
-    mokgen_gemm_fused_small_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
-    mokgen_gemm_fused_small_Tensor_out_t arg_out = {data[13], {dyn[9]}};
-    mokgen_gemm_fused_small_Tensor_counts_t arg_counts = {data[14]};
-    mokgen_gemm_fused_small_Tensor_launch_sync_t arg_launch_sync = {data[15]};
-    return cute_dsl_mokgen_gemm_fused_small_wrapper(&mod_gemm_fused_small, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, (cudaStream_t)stream);
+    mokgen_gemm_fused_n32_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n32_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n32_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n32_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n32_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n32_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n32_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n32_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n32_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n32_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n32_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n32_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n32_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n32_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n32_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n32_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    return cute_dsl_mokgen_gemm_fused_n32_wrapper(&mod_gemm_fused_n32, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, (cudaStream_t)stream);
 }
 
-/* gemm_fused_small_routed: gemm stage, gemm_fused_small_routed.py:main */
-static mokgen_gemm_fused_small_routed_Kernel_Module_t mod_gemm_fused_small_routed;
-static pthread_once_t once_gemm_fused_small_routed = PTHREAD_ONCE_INIT;
-static int load_err_gemm_fused_small_routed = 0;
-static void load_gemm_fused_small_routed(void) {
-    mokgen_gemm_fused_small_routed_Kernel_Module_Load(&mod_gemm_fused_small_routed);
-    load_err_gemm_fused_small_routed = (int)cudaGetLastError();
+/* gemm_fused_n32_routed: gemm stage, gemm_fused_n32_routed.py:main */
+static mokgen_gemm_fused_n32_routed_Kernel_Module_t mod_gemm_fused_n32_routed;
+static pthread_once_t once_gemm_fused_n32_routed = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n32_routed = 0;
+static void load_gemm_fused_n32_routed(void) {
+    mokgen_gemm_fused_n32_routed_Kernel_Module_Load(&mod_gemm_fused_n32_routed);
+    load_err_gemm_fused_n32_routed = (int)cudaGetLastError();
 }
-int mokgen_gemm_fused_small_routed_launch(void **data, const int32_t *dyn, void *stream) {
-    pthread_once(&once_gemm_fused_small_routed, load_gemm_fused_small_routed);
-    if (load_err_gemm_fused_small_routed) return load_err_gemm_fused_small_routed;
+int mokgen_gemm_fused_n32_routed_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n32_routed, load_gemm_fused_n32_routed);
+    if (load_err_gemm_fused_n32_routed) return load_err_gemm_fused_n32_routed;
     (void)dyn;
-    mokgen_gemm_fused_small_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
-    mokgen_gemm_fused_small_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
-    mokgen_gemm_fused_small_routed_Tensor_b0_t arg_b0 = {data[2]};
-    mokgen_gemm_fused_small_routed_Tensor_b1_t arg_b1 = {data[3]};
-    mokgen_gemm_fused_small_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
-    mokgen_gemm_fused_small_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
-    mokgen_gemm_fused_small_routed_Tensor_b2_t arg_b2 = {data[6]};
-    mokgen_gemm_fused_small_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
-    mokgen_gemm_fused_small_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
-    mokgen_gemm_fused_small_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
-    mokgen_gemm_fused_small_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
-    mokgen_gemm_fused_small_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
-    mokgen_gemm_fused_small_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
-    mokgen_gemm_fused_small_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
-    mokgen_gemm_fused_small_routed_Tensor_counts_t arg_counts = {data[14]};
-    mokgen_gemm_fused_small_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
-    mokgen_gemm_fused_small_routed_Tensor_logits_t arg_logits = {data[16], {dyn[10]}};
-    return cute_dsl_mokgen_gemm_fused_small_routed_wrapper(&mod_gemm_fused_small_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, (cudaStream_t)stream);
+    mokgen_gemm_fused_n32_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n32_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n32_routed_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n32_routed_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n32_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n32_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n32_routed_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n32_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n32_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n32_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n32_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n32_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n32_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n32_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n32_routed_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n32_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n32_routed_Tensor_logits_t arg_logits = {data[16], {dyn[10]}};
+    return cute_dsl_mokgen_gemm_fused_n32_routed_wrapper(&mod_gemm_fused_n32_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n64: gemm stage, gemm_fused_n64.py:main */
+static mokgen_gemm_fused_n64_Kernel_Module_t mod_gemm_fused_n64;
+static pthread_once_t once_gemm_fused_n64 = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n64 = 0;
+static void load_gemm_fused_n64(void) {
+    mokgen_gemm_fused_n64_Kernel_Module_Load(&mod_gemm_fused_n64);
+    load_err_gemm_fused_n64 = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n64_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n64, load_gemm_fused_n64);
+    if (load_err_gemm_fused_n64) return load_err_gemm_fused_n64;
+    (void)dyn;
+    mokgen_gemm_fused_n64_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n64_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n64_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n64_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n64_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n64_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n64_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n64_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n64_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n64_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n64_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n64_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n64_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n64_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n64_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n64_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    return cute_dsl_mokgen_gemm_fused_n64_wrapper(&mod_gemm_fused_n64, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n64_routed: gemm stage, gemm_fused_n64_routed.py:main */
+static mokgen_gemm_fused_n64_routed_Kernel_Module_t mod_gemm_fused_n64_routed;
+static pthread_once_t once_gemm_fused_n64_routed = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n64_routed = 0;
+static void load_gemm_fused_n64_routed(void) {
+    mokgen_gemm_fused_n64_routed_Kernel_Module_Load(&mod_gemm_fused_n64_routed);
+    load_err_gemm_fused_n64_routed = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n64_routed_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n64_routed, load_gemm_fused_n64_routed);
+    if (load_err_gemm_fused_n64_routed) return load_err_gemm_fused_n64_routed;
+    (void)dyn;
+    mokgen_gemm_fused_n64_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n64_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n64_routed_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n64_routed_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n64_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n64_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n64_routed_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n64_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n64_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n64_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n64_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n64_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n64_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n64_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n64_routed_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n64_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n64_routed_Tensor_logits_t arg_logits = {data[16], {dyn[10]}};
+    return cute_dsl_mokgen_gemm_fused_n64_routed_wrapper(&mod_gemm_fused_n64_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n96: gemm stage, gemm_fused_n96.py:main */
+static mokgen_gemm_fused_n96_Kernel_Module_t mod_gemm_fused_n96;
+static pthread_once_t once_gemm_fused_n96 = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n96 = 0;
+static void load_gemm_fused_n96(void) {
+    mokgen_gemm_fused_n96_Kernel_Module_Load(&mod_gemm_fused_n96);
+    load_err_gemm_fused_n96 = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n96_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n96, load_gemm_fused_n96);
+    if (load_err_gemm_fused_n96) return load_err_gemm_fused_n96;
+    (void)dyn;
+    mokgen_gemm_fused_n96_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n96_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n96_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n96_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n96_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n96_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n96_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n96_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n96_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n96_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n96_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n96_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n96_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n96_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n96_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n96_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n96_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    return cute_dsl_mokgen_gemm_fused_n96_wrapper(&mod_gemm_fused_n96, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n96_routed: gemm stage, gemm_fused_n96_routed.py:main */
+static mokgen_gemm_fused_n96_routed_Kernel_Module_t mod_gemm_fused_n96_routed;
+static pthread_once_t once_gemm_fused_n96_routed = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n96_routed = 0;
+static void load_gemm_fused_n96_routed(void) {
+    mokgen_gemm_fused_n96_routed_Kernel_Module_Load(&mod_gemm_fused_n96_routed);
+    load_err_gemm_fused_n96_routed = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n96_routed_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n96_routed, load_gemm_fused_n96_routed);
+    if (load_err_gemm_fused_n96_routed) return load_err_gemm_fused_n96_routed;
+    (void)dyn;
+    mokgen_gemm_fused_n96_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n96_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n96_routed_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n96_routed_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n96_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n96_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n96_routed_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n96_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n96_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n96_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n96_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n96_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n96_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n96_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n96_routed_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n96_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n96_routed_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n96_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
+    return cute_dsl_mokgen_gemm_fused_n96_routed_wrapper(&mod_gemm_fused_n96_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n160: gemm stage, gemm_fused_n160.py:main */
+static mokgen_gemm_fused_n160_Kernel_Module_t mod_gemm_fused_n160;
+static pthread_once_t once_gemm_fused_n160 = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n160 = 0;
+static void load_gemm_fused_n160(void) {
+    mokgen_gemm_fused_n160_Kernel_Module_Load(&mod_gemm_fused_n160);
+    load_err_gemm_fused_n160 = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n160_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n160, load_gemm_fused_n160);
+    if (load_err_gemm_fused_n160) return load_err_gemm_fused_n160;
+    (void)dyn;
+    mokgen_gemm_fused_n160_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n160_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n160_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n160_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n160_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n160_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n160_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n160_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n160_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n160_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n160_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n160_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n160_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n160_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n160_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n160_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n160_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    return cute_dsl_mokgen_gemm_fused_n160_wrapper(&mod_gemm_fused_n160, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n160_routed: gemm stage, gemm_fused_n160_routed.py:main */
+static mokgen_gemm_fused_n160_routed_Kernel_Module_t mod_gemm_fused_n160_routed;
+static pthread_once_t once_gemm_fused_n160_routed = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n160_routed = 0;
+static void load_gemm_fused_n160_routed(void) {
+    mokgen_gemm_fused_n160_routed_Kernel_Module_Load(&mod_gemm_fused_n160_routed);
+    load_err_gemm_fused_n160_routed = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n160_routed_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n160_routed, load_gemm_fused_n160_routed);
+    if (load_err_gemm_fused_n160_routed) return load_err_gemm_fused_n160_routed;
+    (void)dyn;
+    mokgen_gemm_fused_n160_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n160_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n160_routed_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n160_routed_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n160_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n160_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n160_routed_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n160_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n160_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n160_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n160_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n160_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n160_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n160_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n160_routed_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n160_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n160_routed_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n160_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
+    return cute_dsl_mokgen_gemm_fused_n160_routed_wrapper(&mod_gemm_fused_n160_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, (cudaStream_t)stream);
 }
 
 /* combine: reduce stage, combine.py:main */

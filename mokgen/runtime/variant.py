@@ -85,9 +85,13 @@ def status_error(variant: str, experts: int, gemm_by_slot: dict, code: int, time
 
 
 def forward_entry(plan: dict, tokens: int) -> str:
-    """The Plan's forward path for this many tokens: the small calls' single launch up to
-    plan["small_max_tokens"], the fused launch up to plan["fused_max_tokens"] where the Plan
-    has them, else the per-GEMM path."""
+    """The Plan's forward path for this many tokens: the first of plan["launch_bands"] (the single
+    launch's tiles by T) that serves it, the fused launch up to plan["fused_max_tokens"] where the
+    Plan has them, else the per-GEMM path. (Plans of mokgen 0.x before the bands had one small
+    calls' launch up to plan["small_max_tokens"].)"""
+    for top, entry in plan.get("launch_bands", []):
+        if tokens <= top:
+            return entry
     if "forward_small" in plan["steps"] and tokens <= plan.get("small_max_tokens", 0):
         return "forward_small"
     if "forward_fused" in plan["steps"] and tokens <= plan.get("fused_max_tokens", 0):
@@ -97,16 +101,17 @@ def forward_entry(plan: dict, tokens: int) -> str:
 
 def routes_in_launch(plan: dict, tokens: int) -> bool:
     """Whether a call from router logits runs the one launch that routes too: the Plan has it
-    (the single-GPU fused launch that dispatches) and the fused launch, or the small calls'
-    launch, serves this T."""
+    (the single-GPU fused launch that dispatches) and a single launch serves this T."""
     if "forward_routed" not in plan["steps"] or tokens == 0:
         return False
-    return "forward_fused" not in plan["steps"] or forward_entry(plan, tokens) in ("forward_fused", "forward_small")
+    return "forward_fused" not in plan["steps"] or forward_entry(plan, tokens) != "forward"
 
 
 def routed_entry(plan: dict, tokens: int) -> str:
-    """The entry point that routes inside its launch for this T (where routes_in_launch)."""
-    return "forward_routed_small" if forward_entry(plan, tokens) == "forward_small" else "forward_routed"
+    """The entry point that routes inside its launch for this T (where routes_in_launch):
+    forward_fused's is forward_routed, forward_<band>'s forward_routed_<band>."""
+    entry = forward_entry(plan, tokens)
+    return "forward_routed" if entry in ("forward_fused", "forward") else entry.replace("forward_", "forward_routed_", 1)
 
 
 def call_buffer_fns(plan: dict) -> list:
@@ -170,7 +175,8 @@ class Variant:
         self._state_shapes = {b["name"]: (DTYPES[b["dtype"]], tuple(int(d) for d in b["shape"]))
                               for b in self.plan["buffers"] if b.get("memory") == "state"}
         self._state: dict = {}  # (name, device, stream) -> tensor
-        self._kept: dict = {}  # (entry, device, stream) -> (T, buffers, the zero-initialised ones): _workspace
+        # ("given" | "routed", device, stream) -> (T, buffers, the zero-initialised ones, entry): _workspace
+        self._kept: dict = {}
         self.expert_parallel = self.spec.world_size > 1
         self._side_kernels = frozenset(self.plan.get("side_stream", ()))
         self._own_streams: dict = {}  # device -> (main, side): the streams of a two-stream entry
@@ -231,16 +237,19 @@ class Variant:
         keep (inference calls): a workspace of at most KEEP_WORKSPACE_BYTES is kept for the next
         call of the same entry and T on the same device and stream, which stream order makes
         safe (no kernel reads a per-call buffer before writing it; zero-initialised ones are
-        zeroed again). Never while a CUDA graph is captured, in poison or profiling mode."""
+        zeroed again): one for the calls with routing given and one for those from router
+        logits (the single launch's bands by T are several entries; a call at another T
+        replaces the kept one, whichever band it takes). Never while a CUDA graph is captured,
+        in poison or profiling mode."""
         slot = None
         if keep and peers is None and not given and not self.poison and not self.profiling \
                 and not torch.cuda.is_current_stream_capturing():
-            slot = (entry, device, torch.cuda.current_stream(device).cuda_stream)
+            slot = ("routed" if "routed" in entry else "given", device, torch.cuda.current_stream(device).cuda_stream)
         sizes = peers.sizes if peers is not None else (0, 0)
         # the backward's saved tensors are the caller's (what the training forward returned)
         used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ()).difference(given)
         kept = self._kept.get(slot) if slot is not None else None
-        if kept is not None and kept[0] == tokens:
+        if kept is not None and kept[0] == tokens and kept[3] == entry:
             ws, zero_init = dict(kept[1]), kept[2]
             for t in zero_init:
                 t.zero_()
@@ -259,9 +268,9 @@ class Variant:
                 else:
                     ws[name] = torch.empty(shape, dtype=dt, device=device)
             if slot is not None:
-                self._kept.pop(slot, None)  # (one kept workspace per entry, device and stream: the last T)
+                self._kept.pop(slot, None)  # (one kept workspace per slot: the last T's)
                 if sum(t.numel() * t.element_size() for t in ws.values()) <= KEEP_WORKSPACE_BYTES:
-                    self._kept[slot] = (tokens, dict(ws), zero_init)
+                    self._kept[slot] = (tokens, dict(ws), zero_init, entry)
         for name in used.intersection(self._state_shapes):
             ws[name] = self._state_buffer(name, device)
         if peers is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -111,9 +112,9 @@ class Plan:
     # Calls with at most this many tokens run steps["forward_fused"] (one GEMM launch) instead
     # of steps["forward"]; 0: the Plan has one forward path.
     fused_max_tokens: int = 0
-    # Calls with at most this many tokens run steps["forward_small"] instead (the single launch
-    # with SMALL_ROW_TILE-row M tiles); 0: the Plan has no such launch.
-    small_max_tokens: int = 0
+    # [max_tokens, entry] in increasing order: a call with T tokens runs the first entry whose
+    # max_tokens is at least T (the single launch's tile sizes by T, launch_bands), else as above.
+    launch_bands: list = field(default_factory=list)
     # Buffers the runtime zeroes before an entry point's kernels, where none of them does
     # (entry -> names; dispatch_count zeroes tile_counters in the entries that dispatch).
     zeroed: dict = field(default_factory=dict)
@@ -174,7 +175,8 @@ def choose_row_tile(spec: MoESpec, target: Target) -> tuple[int, str]:
 
 
 def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, tile_m: int = 128,
-                       gather_a: bool = False, tile_n: int | None = None, epi_stages: int | None = None) -> dict:
+                       gather_a: bool = False, tile_n: int | None = None, epi_stages: int | None = None,
+                       swap: bool = False, tile_k: int | None = None) -> dict:
     """Tile shape, pipeline depth, epilogue tiling and warp roles of one grouped GEMM.
 
     Persistent and warp-specialised: one producer warpgroup (TMA) and two consumer
@@ -184,22 +186,39 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, 
     that divide N avoid partial tiles. The epilogue has its own staging buffers (the
     producer refills the A/B stages meanwhile); the A/B stages take what is left.
     """
-    mma_warpgroups = tile_m // WGMMA_ROWS
+    num_b = 2 if epilogue in ("swiglu", "swiglu_save", "pair") else 1
+    if swap:
+        # Swapped operands (swap_tiling): the weights' tile_n rows are the wgmma's M, 64 per
+        # consumer warpgroup, and the tile's tile_m token rows its N.
+        tile_n = tile_n or SWAP_TILE_N
+        check_swap_tiling(tile_m, tile_n, num_b)
+        mma_warpgroups = tile_n // WGMMA_ROWS
+    else:
+        mma_warpgroups = tile_m // WGMMA_ROWS
     consumer_threads = mma_warpgroups * WARPGROUP_THREADS
     threads = consumer_threads + WARPGROUP_THREADS  # + the producer warpgroup
-    num_b = 2 if epilogue in ("swiglu", "swiglu_save", "pair") else 1
     acc_budget = 128 * consumer_threads  # fp32 accumulators the CTA may hold
     candidates = [n for n in (256, 128, 64) if tile_m * n * num_b <= acc_budget]
-    if tile_n is None:
+    if not swap and tile_n is None:
         tile_n = next((n for n in candidates if n_size % n == 0), candidates[-1])
-    elif tile_n not in candidates:
+    elif not swap and tile_n not in candidates:
         raise PlanError(f"N tile {tile_n} does not fit the accumulator budget (legal: {candidates})")
-    epi_tile = (tile_m, 32)
+    # The epilogue's sub-tiles run along the C tile's second mode: swapped, the tile is stored
+    # transposed (weight rows x token rows), 32 token rows at a time.
+    epi_tile = (tile_n, 32) if swap else (tile_m, 32)
     # The epilogue buffers let the TMA stores of a tile's first sub-tiles drain while
     # the next are staged; the autotuner tries other counts.
+    if swap and tile_k is None and epi_stages is None and not (k_size % SWAP_WIDE_K or n_size % SWAP_WIDE_K):
+        # Swapped tiles read each weight row 2 x 128 bytes at a time where a stage that deep
+        # still leaves SWAP_WIDE_K_STAGES of them (with one epilogue buffer): HBM serves the
+        # wider pieces faster (the 32-row tiles 1.03x at E64 T = 64-165, docs/perf.md).
+        wide = (tile_m + num_b * tile_n) * SWAP_WIDE_K * 2
+        if (target.smem_per_block - SMEM_RESERVE - epi_tile[0] * epi_tile[1] * 2) // wide >= SWAP_WIDE_K_STAGES:
+            tile_k, epi_stages = SWAP_WIDE_K, 1
     epi_stages = epi_stages or EPI_STAGES
     epi_bytes = epi_tile[0] * epi_tile[1] * 2 * epi_stages
-    stage_bytes = (tile_m + num_b * tile_n) * TILE_K * 2
+    tile_k = tile_k or TILE_K
+    stage_bytes = (tile_m + num_b * tile_n) * tile_k * 2
     stages = (target.smem_per_block - SMEM_RESERVE - epi_bytes) // stage_bytes
     stages = min(stages, 8)
     if stages < 2:
@@ -214,9 +233,32 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, 
         target.check_register_split("GEMM", producer_regs, WARPGROUP_THREADS, consumer_regs, consumer_threads)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    return dict(tile_m=tile_m, tile_n=tile_n, tile_k=TILE_K, stages=stages, epi_tile=list(epi_tile),
+    return dict(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, stages=stages, epi_tile=list(epi_tile),
                 epi_stages=epi_stages, mma_warpgroups=mma_warpgroups, threads=threads, sms=target.sms,
-                producer_regs=producer_regs, consumer_regs=consumer_regs, smem_bytes=smem)
+                producer_regs=producer_regs, consumer_regs=consumer_regs, smem_bytes=smem, **({"swap": True} if swap else {}))
+
+
+# Swapped tiles (the single launch's bands, launch_bands): an M tile of N token rows is the
+# wgmma's N operand (any multiple of 8 up to 256, where its M is 64 rows per warpgroup), so
+# an expert's rows need not be padded to 64-row slices and one tile can hold all of an
+# expert's rows at mid-size T: its weights then stream into one SM once, where 128-row tiles
+# read them again for each of an expert's M tiles. The weights' rows are the wgmma's M: two
+# consumer warpgroups of 64 rows of each B tile. Each consumer thread holds NUM_B x N / 2 fp32
+# accumulators, within SWAP_ACC_MAX of its registers (the rest: addresses, the epilogue).
+SWAP_TILE_N = 128
+SWAP_ACC_MAX = 176
+SWAP_WIDE_K = 128
+SWAP_WIDE_K_STAGES = 3
+
+
+def check_swap_tiling(tile_m: int, tile_n: int, num_b: int) -> None:
+    if tile_n != SWAP_TILE_N:
+        raise PlanError(f"swapped tiles: N tile {tile_n}, only {SWAP_TILE_N} (two warpgroups of 64 weight rows)")
+    if tile_m % 32 or not 32 <= tile_m <= 256:
+        raise PlanError(f"swapped tiles: {tile_m} token rows, a multiple of 32 in [32, 256] (the epilogue's sub-tiles)")
+    if num_b * tile_m // 2 > SWAP_ACC_MAX:
+        raise PlanError(f"swapped tiles: {tile_m} token rows need {num_b * tile_m // 2} accumulator registers per "
+                        f"thread, at most {SWAP_ACC_MAX}")
 
 
 def tile_n_choices(epilogue: str, tile_m: int = 128) -> list[int]:
@@ -403,7 +445,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 
     def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc, gather_a=False,
              routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn="", copy_rows=None,
-             rows_tile=None):
+             rows_tile=None, swap=False):
         """One grouped GEMM. The backward's modes (templates/grouped_gemm_persistent.py.j2):
         epilogue "pair" (c = (c0, c1), both products stored), b_major "mn" (B stored
         [groups, K, N]), split_k (a = (a0, a1) and b = (b0, b1) along K), wgrad_m (weight
@@ -412,11 +454,12 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         (source, destination, counter slot): the kernel's idle warps also copy the source's token
         rows into the destination in dispatch order, see COPY_CLAIM_ROWS); rows_tile: the M tile of a
         routed GEMM whose launch lays its rows out itself (the small calls' single launch), else
-        row_tile."""
+        row_tile; swap: the wgmma's operands swapped (swap_tiling)."""
         rows_tile = rows_tile or row_tile
         tile_m = WGRAD_TILE_M if wgrad_m else rows_tile  # a weight-gradient tile runs over H or I, not rows
         tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a or bool(gather_mn) or bool(copy_rows),
-                                (overrides or {}).get(f"{name}.tile_n"), (overrides or {}).get(f"{name}.epi_stages"))
+                                (overrides or {}).get(f"{name}.tile_n"), (overrides or {}).get(f"{name}.epi_stages"),
+                                swap, (overrides or {}).get(f"{name}.tile_k"))
         cs = c if isinstance(c, tuple) else (c,)
         if wgrad_m:  # A [rows, wgrad_m], B [rows, n]; counts give each group's rows
             args = [KernelArg("a", a, "bf16", ["T" if gather_mn == "a" else m_sym, wgrad_m])]
@@ -509,6 +552,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         n_ret, why_ret = expert_parallel.return_in_gemm(down, spec, target, overrides or {}, slots.index("ep_return"))
     steps = {}
     laid_out = None  # (expert parallel: whether the single launch dispatches and lays out itself)
+    bands: list = []  # (the single launch's tiles by T, launch_bands)
     if paths != "fused":
         kernels += [gateup, down]
         steps["forward"] = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"] + \
@@ -550,36 +594,54 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                 "gemm_fused_routed: the same launch, routing first (router logits -> softmax -> top-k, the route "
                 "kernel's code and bits, one token per warp; a third counter says when every CTA has routed): "
                 "mokgen.moe_routed runs it for calls the fused launch serves")
-        small_max, why_small = small_launch(spec, row_tile, in_launch and paths == "by_tokens", overrides or {})
-        if small_max:
-            gateup_s = gemm("gemm_fused_small", "gemm", "x", ("w_gate", "w_up"), "h", I, H, "swiglu", "tile_expert",
-                            "M", "MT", E, "", gather_a=True, rows_tile=SMALL_ROW_TILE)
-            decisions.pop()  # (its tiling is stated with the launch below)
-            small = fused_gemm(gateup_s, H, I, E, used_slot, target, 0, 0, gemm_names.index("gemm_fused"), done_slot,
-                               K, name="gemm_fused_small")
-            small.params.update(wave_lag=0, doc="Routed gate/up (SwiGLU) and down projections in one launch, "
-                                                f"{SMALL_ROW_TILE}-row M tiles (small calls).")
-            for a in small.args:  # its tile table and gate/up counts are its own: more, smaller M tiles
-                a.tensor = {"tile_expert": "tile_expert_s", "h_ready": "h_ready_s"}.get(a.tensor, a.tensor)
-            m_tiles_s = sympy.ceiling(T * K / SMALL_ROW_TILE) + E
-            buffers += [Buffer("tile_expert_s", "i32", [_expr(m_tiles_s)]),
-                        Buffer("h_ready_s", "i32", [_expr(m_tiles_s)])]
-            # (launch_sync shared). Its CTAs count every expert themselves: 3.7 against 5.2 us of
-            # dispatch phase at E64 T=64, 1.01x the call there and 1.05x at E40 (docs/perf.md);
-            # the 128-row launch's calls (T up to 2048) keep one expert per CTA, level at T=1024.
-            dispatch_in_launch(small, dict(dparams, tile_m=SMALL_ROW_TILE), overrides or {}, [], local_count=True)
-            kernels.append(small)
-            steps["forward_small"] = ["gemm_fused_small"]
-            kernels.append(routed_launch(small, spec))
-            steps["forward_routed_small"] = ["gemm_fused_small_routed"]
-            sp = small.params
-            decisions.append(
-                f"gemm_fused_small (and gemm_fused_small_routed, its routing twin): {why_small}; the same launch "
-                "(it dispatches, runs every gate/up and down tile and "
-                f"combines: the same bits) with {sp['tile_m']}x{sp['tile_n']}x{sp['tile_k']} tiles, {sp['stages']} "
-                f"stages, 1 producer + {sp['mma_warpgroups']} MMA warpgroup(s): an expert's few rows fill more of a "
-                "tile, and one stage more of weights is in flight per SM; each of its CTAs counts every expert's "
-                "pairs itself (shared memory), so no launch-wide counter stands between counting and placing")
+        bands, why_bands = launch_bands(spec, row_tile, target.sms, in_launch and paths == "by_tokens",
+                                        overrides or {})
+        if bands:
+            swapped = sorted({n for _, n in bands if n})
+            # One tile table and one set of gate/up counts for all of them (a call runs one),
+            # sized for the smallest tile (the most tiles); the row buffers for the per-GEMM
+            # path's tiles (the training forward and the backward take it at every T) or the
+            # band's that serves T, whichever lays out more rows (not the largest band's at
+            # every T: a small call's workspace stays small enough to keep, KEEP_WORKSPACE_BYTES).
+            m_tiles_w = sympy.ceiling(T * K / swapped[0]) + E
+            buffers += [Buffer("tile_expert_w", "i32", [_expr(m_tiles_w)]),
+                        Buffer("h_ready_w", "i32", [_expr(m_tiles_w)])]
+            rows_w = sympy.Max(rows, sympy.Piecewise(*(((sympy.ceiling(T * K / n) + E) * n if n else rows,
+                                                        sympy.Le(T, top)) for top, n in bands), (rows, True)))
+            for b in buffers:
+                if b.name in ("row_token", "h", "y"):
+                    b.shape[0] = _expr(rows_w)
+            rows = rows_w  # (every buffer of rows after these, the backward's too, has as many)
+            small_t = SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk
+            for n in swapped:
+                name = f"gemm_fused_n{n}"
+                gateup_w = gemm(name, "gemm", "x", ("w_gate", "w_up"), "h", I, H, "swiglu", "tile_expert",
+                                "M", "MT", E, "", gather_a=True, rows_tile=n, swap=True)
+                decisions.pop()  # (its tiling is stated with the launch below)
+                band = fused_gemm(gateup_w, H, I, E, used_slot, target, 0, 0, gemm_names.index("gemm_fused"),
+                                  done_slot, K, name=name)
+                band.params.update(wave_lag=0, doc="Routed gate/up (SwiGLU) and down projections in one launch, "
+                                                   f"swapped tiles of {n} token rows.")
+                for a in band.args:
+                    a.tensor = {"tile_expert": "tile_expert_w", "h_ready": "h_ready_w"}.get(a.tensor, a.tensor)
+                # (launch_sync shared). Calls up to small_t tokens: each CTA counts every expert
+                # itself, 3.7 against 5.2 us of dispatch phase at E64 T=64, 1.01x the call there
+                # and 1.05x at E40; larger ones by chunks of pairs (docs/perf.md).
+                top = max(t for t, m in bands if m == n)
+                dispatch_in_launch(band, dict(dparams, tile_m=n), overrides or {}, [], local_count=top <= small_t)
+                kernels.append(band)
+                steps[f"forward_n{n}"] = [name]
+                kernels.append(routed_launch(band, spec))
+                steps[f"forward_routed_n{n}"] = [f"{name}_routed"]
+                bp = band.params
+                decisions.append(
+                    f"{name} (and {name}_routed, its routing twin): the single launch (it dispatches, runs every "
+                    f"gate/up and down tile and combines: the same bits) with swapped {bp['tile_m']}x{bp['tile_n']}"
+                    f"x{bp['tile_k']} tiles: the weights' {bp['tile_n']} rows the wgmma's M (1 producer + "
+                    f"{bp['mma_warpgroups']} MMA warpgroups of 64), the {n} token rows its N; {bp['stages']} stages; "
+                    + ("each CTA counts every expert's pairs itself" if bp["dispatch"]["local_count"] else
+                       "dispatch by chunks of pairs"))
+            decisions.append(why_bands)
         decisions.append(
             f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
             f"tiles, then all down tiles); a down tile waits until h_ready[m] counts the "
@@ -688,8 +750,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             k.params = dict(k.params, combine_unroll=overrides["combine_unroll"])
     profile = bool((overrides or {}).get("profile"))
     # The kernels that record: every forward path's (the per-GEMM path, the single launch and
-    # the small calls' launch; not the routing twins, which run the same tiles).
-    profiled = {n for entry in ("forward", "forward_fused", "forward_small") for n in steps.get(entry, [])}
+    # its bands by T; not the routing twins, which run the same tiles).
+    profiled = {n for entry in steps if entry == "forward" or entry == "forward_fused"
+                or re.fullmatch(r"forward_n\d+", entry) for n in steps[entry]}
     for k in kernels:  # every template reads the flag; only the forward's kernels record
         k.params = dict(k.params, profile=profile and k.name in profiled)
     if profile:
@@ -697,8 +760,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         tasks = {"dispatch_count": d_tasks, "dispatch_scatter": d_tasks, "combine": T}
         for k in kernels:
             if k.template == "grouped_gemm_persistent.py.j2":
-                m = s_tiles if k.name.startswith("shared") else m_tiles_s if k.name == "gemm_fused_small" \
-                    else m_tiles
+                m = s_tiles if k.name.startswith("shared") else \
+                    sympy.ceiling(T * K / k.params["tile_m"]) + E if k.params.get("swap") else m_tiles
                 tasks[k.name] = m * (-(-k.params["n_size"] // k.params["tile_n"]) + k.params.get("n2_tiles", 0))
                 if k.params.get("s_size"):  # the fused launch's shared-expert tiles
                     tasks[k.name] += s_tiles * (k.params["s_size"] // k.params["tile_n"] + k.params["n2_tiles"])
@@ -740,7 +803,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         overrides=dict(overrides or {}),
         task_graph=task_graph,
         fused_max_tokens=(EP_FUSED_MAX_TOKENS if ep else FUSED_MAX_TOKENS) if paths == "by_tokens" else 0,
-        small_max_tokens=small_max if fuse and not ep else 0,
+        launch_bands=[[t, f"forward_n{n}" if n else "forward_fused"] for t, n in bands] if fuse and not ep else [],
         zeroed={"backward": ["tile_counters"]} if backward else {},
         side_stream=side_stream,
     )
@@ -752,28 +815,60 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 # (docs/perf.md, "The shared expert inside the fused launch"): the fused launch is 1.0-1.5x
 # the multi-kernel path up to T=1024 and 0.96-1.0x from T=4096 on the bench layers.
 FUSED_MAX_TOKENS = 2048
-# Small calls: the single launch with 64-row M tiles (one MMA warpgroup) while an expert gets
-# few rows. Measured on an H200 against the same launch with 128-row tiles (docs/perf.md, "The
-# design's baseline script beside mokgen; the small calls' single launch"), the same bits:
-# E64 K8 H2048 I1024 1.16x at 8-32 rows per expert (T = 64-256), 0.99x at 64 (T=512), 0.86x
-# at 128; E128 K8 H2048 I768 1.15-1.16x at 4-16 rows, 0.94x at 64; E256 K8 H7168 I2048
-# 1.02-1.03x at 2-8 rows. So up to SMALL_ROWS_PER_EXPERT rows per expert on average.
-SMALL_ROW_TILE = 64
+# The single launch's tiles by T (launch_bands). Each expert's rows are padded to its M tile, and
+# an M tile's weights stream into an SM once per tile: the tile that holds all of an expert's rows
+# with the least padding wins. Swapped tiles (check_swap_tiling) hold any multiple of 32 rows;
+# the plain launch's row_tile rows (128: two 64-row warpgroups, a slice of padding rows skips its
+# MMAs) beyond the largest swapped one. Routed counts scatter around their mean r = T*K/E
+# (binomial: sd about sqrt(r)), so a tile of n rows serves r + SWAP_SPREAD*sqrt(r) <= n. Measured
+# on an H200 (E64 K8 H2048 I1024, the same bits, docs/perf.md): 32 rows 1.03x the 64-row plain
+# launch at T=64, 64 rows 1.015x at T=256, 160 rows 1.13x the 128-row launch at T=1024 (0.94x at
+# T=512, where 160 rows are mostly padding: 96 serves it).
+SWAP_ROWS = (32, 64, 96, 160)
+SWAP_SPREAD = 2.5
+# A layer with few weight tiles (E x I / SWAP_TILE_N gate/up tiles under SWAP_MIN_WAVES per SM)
+# loses more to the last wave of tiles than an expert's rows spilling into a second tile costs:
+# E40 K6 H1536 I640 (1.5 per SM) ran 0.92x the plain launch at T=800 with 160 rows and 0.98x the
+# 64-row plain launch at T=320 with 96 rows. Such layers take the smallest tile that holds an
+# expert's mean rows (no spread), and none larger than the plain launch's (which would cut the
+# number of tiles further).
+SWAP_MIN_WAVES = 3
+# Up to this many rows per expert on average, a launch's CTAs count every expert's pairs
+# themselves (no launch-wide counter between counting and placing; docs/perf.md); above it
+# they dispatch by chunks of pairs.
 SMALL_ROWS_PER_EXPERT = 48
 
 
-def small_launch(spec: MoESpec, row_tile: int, in_launch: bool, overrides: dict) -> tuple[int, str]:
-    """(the largest T the small calls' single launch serves, why; 0 where the Plan has none). One
-    GPU, beside the fused launch that dispatches itself and the per-GEMM path (not where
-    fuse_gemms forces one path), where the routed GEMMs' row tile is larger; not with a shared
-    expert (its tiles would take the small tile too: not measured), nor in the experiment that
-    reorders the fused launch's tiles. Override fused_small: false leaves it out."""
-    if spec.world_size > 1 or not in_launch or row_tile <= SMALL_ROW_TILE or spec.shared_intermediate \
-            or "gemm_fused.wave_lag" in overrides or overrides.get("fused_small") is False:
-        return 0, ""
-    t = min(FUSED_MAX_TOKENS, SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk)
-    return t, (f"calls with T <= {t} (up to {SMALL_ROWS_PER_EXPERT} rows per expert on average) run the single "
-               f"launch with {SMALL_ROW_TILE}-row M tiles (measured crossover, docs/perf.md)")
+def launch_bands(spec: MoESpec, row_tile: int, sms: int, in_launch: bool, overrides: dict) -> tuple[list, str]:
+    """([(max_tokens, rows)], why): the single launch's tiles by token count, rows the swapped
+    tiles' token rows (0: the plain launch, row_tile rows), in increasing max_tokens up to
+    FUSED_MAX_TOKENS; [] where the Plan has only the plain launch: several GPUs, no launch that
+    dispatches beside the per-GEMM path, a shared expert (its tiles are not swapped), the
+    wavefront tile order, or override fused_small: false. Override swap_rows: the swapped tile
+    sizes to choose from ([] for none)."""
+    if spec.world_size > 1 or not in_launch or spec.shared_intermediate or "gemm_fused.wave_lag" in overrides \
+            or overrides.get("fused_small") is False:
+        return [], ""
+    starved = spec.local_experts * spec.intermediate // SWAP_TILE_N < SWAP_MIN_WAVES * sms
+    spread = 0 if starved else SWAP_SPREAD
+    sizes = {n for n in overrides.get("swap_rows", SWAP_ROWS) if n < row_tile or not starved} | {row_tile}
+    bands: list = []
+    for t in range(1, FUSED_MAX_TOKENS + 1):
+        r = t * spec.topk / spec.local_experts
+        need = r + spread * math.sqrt(r)
+        rows = next((n for n in sorted(sizes) if n >= need), row_tile)
+        rows = 0 if rows == row_tile else rows
+        if bands and bands[-1][1] == rows:
+            bands[-1][0] = t
+        else:
+            bands.append([t, rows])
+    if not any(n for _, n in bands):
+        return [], ""
+    return [(t, n) for t, n in bands], (
+        "the single launch's tiles by T (an expert's rows, mean r = T*K/E, fit one tile of n rows while "
+        f"r + {spread} sqrt(r) <= n" + ("" if spread else f": fewer than {SWAP_MIN_WAVES} gate/up tiles per SM")
+        + "): " + ", ".join(
+            f"T <= {t}: " + (f"swapped, {n} token rows" if n else f"plain, {row_tile} rows") for t, n in bands))
 
 
 # Expert parallel: tokens per rank up to which a call runs the single launch (send, GEMMs and
@@ -880,7 +975,7 @@ def status_mirror(n_counters: int, status_slot: int) -> KernelPlan:
 
 
 def class_name(kernel: str) -> str:
-    """The generated class of a kernel: gemm_fused_small -> GemmFusedSmall."""
+    """The generated class of a kernel: gemm_fused_n32 -> GemmFusedN32."""
     return "".join(p.capitalize() for p in kernel.split("_"))
 
 
@@ -1012,7 +1107,7 @@ def dispatch_phase(fused: KernelPlan, dparams: dict, buffers: list, fused_tables
 
 
 def routed_launch(fused: KernelPlan, spec: MoESpec) -> KernelPlan:
-    """A single launch (gemm_fused, gemm_fused_small) that routes first: <name>_routed, router
+    """A single launch (gemm_fused, gemm_fused_n<rows>) that routes first: <name>_routed, router
     logits in, topk_ids and topk_weights out (they are its arguments as before; the route phase
     writes them)."""
     k = copy.deepcopy(fused)
@@ -1048,9 +1143,9 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
-                           r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked"
-                           r"|(gemm_gateup|gemm_down|shared_gateup|shared_down|gemm_fused_small)"
-                           r"\.(tile_n|raster|epi_stages)"
+                           r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
+                           r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
+                           r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
 
 
@@ -1067,11 +1162,17 @@ def check_overrides(overrides: dict) -> None:
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
+        if key == "swap_rows":
+            if not isinstance(value, list) or any(isinstance(n, bool) or not isinstance(n, int) or n % 32
+                                                  or not 32 <= n <= 160 for n in value):
+                raise PlanError(f"swap_rows must be a list of multiples of 32 in [32, 160], got {value!r}")
+            continue
         if not key.endswith(".raster") and (isinstance(value, bool) or not isinstance(value, int)):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
         if ((key == "row_tile" and value not in (64, 128)) or (key == "wait_timeout_ms" and value < 1)
                 or (key == "cluster_m" and value not in (1, 2))
                 or (key.endswith(".epi_stages") and value not in range(1, 9))
+                or (key.endswith(".tile_k") and value not in (64, 128))
                 or (key == "gemm_fused.wave_lag" and value < 0)  # (0: every gate/up tile first)
                 or (key == "combine_unroll" and value not in range(1, 9))):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
