@@ -252,8 +252,9 @@ SWAP_WIDE_K_STAGES = 3
 
 
 def check_swap_tiling(tile_m: int, tile_n: int, num_b: int) -> None:
-    if tile_n != SWAP_TILE_N:
-        raise PlanError(f"swapped tiles: N tile {tile_n}, only {SWAP_TILE_N} (two warpgroups of 64 weight rows)")
+    if tile_n not in (WGMMA_ROWS, SWAP_TILE_N):
+        raise PlanError(f"swapped tiles: N tile {tile_n}, only {WGMMA_ROWS} or {SWAP_TILE_N} (one or two warpgroups "
+                        "of 64 weight rows)")
     if tile_m % 32 or not 32 <= tile_m <= 256:
         raise PlanError(f"swapped tiles: {tile_m} token rows, a multiple of 32 in [32, 256] (the epilogue's sub-tiles)")
     if num_b * tile_m // 2 > SWAP_ACC_MAX:
@@ -1145,7 +1146,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
-                           r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k)"
+                           r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
 
 
