@@ -640,7 +640,8 @@ def test_single_launch_tiles_by_tokens():
     for s, ov in [(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768), {}),
                   (MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2, topology="nvlink"), {}),
                   (spec, {"fuse_gemms": True}), (spec, {"fuse_gemms": False}), (spec, {"dispatch_in_launch": False}),
-                  (spec, {"gemm_fused.wave_lag": 33}), (spec, {"fused_small": False}), (spec, {"swap_rows": []})]:
+                  (spec, {"gemm_fused.wave_lag": 33}), (spec, {"fused_small": False}), (spec, {"swap_rows": []}),
+                  (MoESpec(experts=8, topk=2, hidden=384, intermediate=192), {})]:  # (128-row weight tiles)
         q = make_plan(s, overrides=ov)
         assert q.launch_bands == [] and not any(e.startswith("forward_n") for e in q.steps), (s.variant, ov)
         assert not any(k.name.startswith("gemm_fused_n") for k in q.kernels)

@@ -642,6 +642,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                     f"{bp['mma_warpgroups']} MMA warpgroups of 64), the {n} token rows its N; {bp['stages']} stages; "
                     + ("each CTA counts every expert's pairs itself" if bp["dispatch"]["local_count"] else
                        "dispatch by chunks of pairs"))
+        if why_bands:
             decisions.append(why_bands)
         decisions.append(
             f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
@@ -844,12 +845,15 @@ def launch_bands(spec: MoESpec, row_tile: int, sms: int, in_launch: bool, overri
     """([(max_tokens, rows)], why): the single launch's tiles by token count, rows the swapped
     tiles' token rows (0: the plain launch, row_tile rows), in increasing max_tokens up to
     FUSED_MAX_TOKENS; [] where the Plan has only the plain launch: several GPUs, no launch that
-    dispatches beside the per-GEMM path, a shared expert (its tiles are not swapped), the
-    wavefront tile order, or override fused_small: false. Override swap_rows: the swapped tile
+    dispatches beside the per-GEMM path, a shared expert (its tiles are not swapped), H and I
+    that SWAP_TILE_N-row weight tiles do not divide, the wavefront tile order, or override
+    fused_small: false. Override swap_rows: the swapped tile
     sizes to choose from ([] for none)."""
     if spec.world_size > 1 or not in_launch or spec.shared_intermediate or "gemm_fused.wave_lag" in overrides \
             or overrides.get("fused_small") is False:
         return [], ""
+    if fused_misfit(spec.hidden, spec.intermediate, 0, SWAP_TILE_N):  # (its weight tiles are SWAP_TILE_N rows)
+        return [], f"no swapped tiles: {fused_misfit(spec.hidden, spec.intermediate, 0, SWAP_TILE_N)}"
     starved = spec.local_experts * spec.intermediate // SWAP_TILE_N < SWAP_MIN_WAVES * sms
     spread = 0 if starved else SWAP_SPREAD
     sizes = {n for n in overrides.get("swap_rows", SWAP_ROWS) if n < row_tile or not starved} | {row_tile}
