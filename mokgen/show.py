@@ -35,9 +35,11 @@ def format_plan(plan: dict) -> str:
                + ")")
     if plan.get("side_stream"):
         out.append("          on a second stream, beside the kernels after them: " + ", ".join(plan["side_stream"]))
+    from .runtime.variant import routed_twin
+
     low = 1
     for top, entry in plan.get("launch_bands", []):
-        routed = entry.replace("forward_", "forward_routed_", 1) if entry != "forward_fused" else "forward_routed"
+        routed = routed_twin(entry)
         out.append(f"          calls with {low} <= T <= {top}: " + " -> ".join(plan["steps"][entry])
                    + (" (from router logits: " + " -> ".join(plan["steps"][routed]) + ")"
                       if routed in plan["steps"] else ""))

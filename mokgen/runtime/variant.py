@@ -107,11 +107,15 @@ def routes_in_launch(plan: dict, tokens: int) -> bool:
     return "forward_fused" not in plan["steps"] or forward_entry(plan, tokens) != "forward"
 
 
-def routed_entry(plan: dict, tokens: int) -> str:
-    """The entry point that routes inside its launch for this T (where routes_in_launch):
+def routed_twin(entry: str) -> str:
+    """The entry point of the launch that routes first, beside a single launch's entry:
     forward_fused's is forward_routed, forward_<band>'s forward_routed_<band>."""
-    entry = forward_entry(plan, tokens)
     return "forward_routed" if entry in ("forward_fused", "forward") else entry.replace("forward_", "forward_routed_", 1)
+
+
+def routed_entry(plan: dict, tokens: int) -> str:
+    """The entry point that routes inside its launch for this T (where routes_in_launch)."""
+    return routed_twin(forward_entry(plan, tokens))
 
 
 def call_buffer_fns(plan: dict) -> list:

@@ -199,28 +199,32 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, 
     threads = consumer_threads + WARPGROUP_THREADS  # + the producer warpgroup
     acc_budget = 128 * consumer_threads  # fp32 accumulators the CTA may hold
     candidates = [n for n in (256, 128, 64) if tile_m * n * num_b <= acc_budget]
-    if not swap and tile_n is None:
-        tile_n = next((n for n in candidates if n_size % n == 0), candidates[-1])
-    elif not swap and tile_n not in candidates:
-        raise PlanError(f"N tile {tile_n} does not fit the accumulator budget (legal: {candidates})")
+    if not swap:
+        if tile_n is None:
+            tile_n = next((n for n in candidates if n_size % n == 0), candidates[-1])
+        elif tile_n not in candidates:
+            raise PlanError(f"N tile {tile_n} does not fit the accumulator budget (legal: {candidates})")
     # The epilogue's sub-tiles run along the C tile's second mode: swapped, the tile is stored
     # transposed (weight rows x token rows), 32 token rows at a time.
     epi_tile = (tile_n, 32) if swap else (tile_m, 32)
+    def fitting_stages(k_block: int, epi_buffers: int) -> int:
+        """A/B stages of K blocks this deep that fit beside the epilogue's buffers."""
+        epi = epi_tile[0] * epi_tile[1] * 2 * epi_buffers
+        return (target.smem_per_block - SMEM_RESERVE - epi) // ((tile_m + num_b * tile_n) * k_block * 2)
+
     # The epilogue buffers let the TMA stores of a tile's first sub-tiles drain while
     # the next are staged; the autotuner tries other counts.
-    if swap and tile_k is None and epi_stages is None and not (k_size % SWAP_WIDE_K or n_size % SWAP_WIDE_K):
+    if swap and tile_k is None and epi_stages is None and not (k_size % SWAP_WIDE_K or n_size % SWAP_WIDE_K) \
+            and fitting_stages(SWAP_WIDE_K, 1) >= SWAP_WIDE_K_STAGES:
         # Swapped tiles read each weight row 2 x 128 bytes at a time where a stage that deep
         # still leaves SWAP_WIDE_K_STAGES of them (with one epilogue buffer): HBM serves the
         # wider pieces faster (the 32-row tiles 1.03x at E64 T = 64-165, docs/perf.md).
-        wide = (tile_m + num_b * tile_n) * SWAP_WIDE_K * 2
-        if (target.smem_per_block - SMEM_RESERVE - epi_tile[0] * epi_tile[1] * 2) // wide >= SWAP_WIDE_K_STAGES:
-            tile_k, epi_stages = SWAP_WIDE_K, 1
+        tile_k, epi_stages = SWAP_WIDE_K, 1
     epi_stages = epi_stages or EPI_STAGES
     epi_bytes = epi_tile[0] * epi_tile[1] * 2 * epi_stages
     tile_k = tile_k or TILE_K
     stage_bytes = (tile_m + num_b * tile_n) * tile_k * 2
-    stages = (target.smem_per_block - SMEM_RESERVE - epi_bytes) // stage_bytes
-    stages = min(stages, 8)
+    stages = min(fitting_stages(tile_k, epi_stages), 8)
     if stages < 2:
         raise PlanError(f"GEMM tile {tile_m}x{tile_n}: fewer than 2 pipeline stages fit in shared memory")
     smem = stages * stage_bytes + epi_bytes + 1024
@@ -852,8 +856,9 @@ def launch_bands(spec: MoESpec, row_tile: int, sms: int, in_launch: bool, overri
     if spec.world_size > 1 or not in_launch or spec.shared_intermediate or "gemm_fused.wave_lag" in overrides \
             or overrides.get("fused_small") is False:
         return [], ""
-    if fused_misfit(spec.hidden, spec.intermediate, 0, SWAP_TILE_N):  # (its weight tiles are SWAP_TILE_N rows)
-        return [], f"no swapped tiles: {fused_misfit(spec.hidden, spec.intermediate, 0, SWAP_TILE_N)}"
+    unfit = fused_misfit(spec.hidden, spec.intermediate, 0, SWAP_TILE_N)  # (its weight tiles are SWAP_TILE_N rows)
+    if unfit:
+        return [], f"no swapped tiles: {unfit}"
     starved = spec.local_experts * spec.intermediate // SWAP_TILE_N < SWAP_MIN_WAVES * sms
     spread = 0 if starved else SWAP_SPREAD
     sizes = {n for n in overrides.get("swap_rows", SWAP_ROWS) if n < row_tile or not starved} | {row_tile}
