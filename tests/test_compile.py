@@ -91,6 +91,10 @@ def test_swapped_tiles_put_the_token_rows_on_the_wgmma_n(built):
         assert hgmma and all(f"HGMMA.64x{n}x16.F32.BF16" in line for line in hgmma), k["name"]
         assert len(hgmma) == 2 * k["params"]["tile_k"] // 16, k["name"]
         assert "STSM.16.MT88" in sass, k["name"]
+        # The weight loads carry L2's evict-first policy (CacheHintSm90 EVICT_FIRST); the token rows'
+        # loads (h, by TMA) the default one.
+        ptx = (path / "build" / f"{k['name']}.ptx").read_text()
+        assert k["params"]["weights_evict_first"] and f"{0x12F0000000000000};" in ptx, k["name"]
 
 
 def test_single_launch_routes_and_dispatches_inside(built):

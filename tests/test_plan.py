@@ -7,7 +7,7 @@ import sympy
 
 from mokgen.ir import PRESETS, MoESpec, forward_graph
 from mokgen.schedule import H200, Plan, PlanError, choose_gemm_tiling, make_plan
-from mokgen.schedule.plan import SWAP_ACC_MAX, check_plan
+from mokgen.schedule.plan import SWAP_ACC_MAX, SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS, check_plan
 
 SPECS = list(PRESETS.values()) + [MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
                                   MoESpec(experts=1, topk=1, hidden=64, intermediate=64)]
@@ -318,6 +318,39 @@ def test_gather_lag_that_would_deadlock_is_refused():
     assert 1 <= make_plan(spec).kernel("gemm_gateup").params["gather_lag"] <= stages - 2
     with pytest.raises(PlanError, match="deadlock"):
         make_plan(spec, overrides={"gemm_gateup.gather_lag": stages - 1})
+
+
+def test_swapped_tiles_gather_lag():
+    """Swapped tiles of up to SWAP_GATHER_LAG_MAX_ROWS token rows keep two gathered stages in
+    flight where their stages allow it (never more than stages - 2); the band's override sets it
+    and an illegal one is refused."""
+    spec = PRESETS["olmoe"]
+    plan = make_plan(spec)
+    for k in plan.kernels:
+        p = k.params
+        if p.get("swap"):
+            want = SWAP_GATHER_LAG if p["tile_m"] <= SWAP_GATHER_LAG_MAX_ROWS else 1
+            assert p["gather_lag"] == min(want, max(p["stages"] - 2, 1)), k.name
+            assert 1 <= p["gather_lag"] <= max(p["stages"] - 2, 1)
+    assert plan.kernel("gemm_fused_n64").params["gather_lag"] == 2
+    assert plan.kernel("gemm_fused_n160").params["gather_lag"] == 1
+    assert make_plan(spec, overrides={"gemm_fused_n96.gather_lag": 2}).kernel("gemm_fused_n96_routed").params["gather_lag"] == 2
+    with pytest.raises(PlanError, match="deadlock"):
+        make_plan(spec, overrides={"gemm_fused_n160.gather_lag": 3})
+
+
+def test_swapped_tiles_weights_evict_first():
+    """The swapped tiles (an expert's rows in one tile: each weight byte read once) load their
+    weights evict-first in L2; the plain launch, whose experts' second M tiles reuse the weights
+    from L2, does not; override weights_evict_first: false turns it off."""
+    spec = PRESETS["olmoe"]
+    marked = {k.name for k in make_plan(spec).kernels if k.params.get("weights_evict_first")}
+    assert marked == {k.name for k in make_plan(spec).kernels if k.params.get("swap") and k.params.get("fused")}
+    assert "gemm_fused_n160_routed" in marked and "gemm_fused" not in marked
+    assert not any(k.params.get("weights_evict_first")
+                   for k in make_plan(spec, overrides={"weights_evict_first": False}).kernels)
+    with pytest.raises(PlanError):
+        make_plan(spec, overrides={"weights_evict_first": 1})
 
 
 def test_overrides_are_checked_and_recorded():

@@ -62,6 +62,7 @@ TILE_MNK = (32, 128, 128)
 # Swapped: the accumulators hold C^T, a (weight rows, token rows) tile of C's transposed view.
 C_TILE = (TILE_MNK[1], TILE_MNK[0])
 MMA_WARPGROUPS = 2
+WEIGHT_L2_POLICY = 0x12F0000000000000  # L2 cache policy: evict first (CUTLASS's CacheHintSm90.EVICT_FIRST)
 STAGES = 3
 EPI_STAGES = 1
 EPI_TILE = (128, 32)
@@ -912,8 +913,8 @@ class GemmFusedN32Routed:
                             if not failed:
                                 ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
                                 bar = ab_pipeline.producer_get_barrier(prod_state)
-                                cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
-                                cute.copy(tma_b1, tBgB1[(None, n_tile, kt, expert)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar)
+                                cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                                cute.copy(tma_b1, tBgB1[(None, n_tile, kt, expert)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
                         else:
                             failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
                         for j in cutlass.range_constexpr(rows_per_thread):
@@ -963,8 +964,8 @@ class GemmFusedN32Routed:
                                 stage = prod_state.index
                                 if kind == DOWN:
                                     cute.copy(tma_a2, tA2gA2[(None, m_tile, kt, 0)], tA2sA[(None, stage)], tma_bar_ptr=bar)
-                                    cute.copy(tma_d, tDgD[(None, 2 * n_tile, kt, expert)], tDsB0[(None, stage)], tma_bar_ptr=bar)
-                                    cute.copy(tma_d, tDgD[(None, 2 * n_tile + 1, kt, expert)], tDsB1[(None, stage)], tma_bar_ptr=bar)
+                                    cute.copy(tma_d, tDgD[(None, 2 * n_tile, kt, expert)], tDsB0[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                                    cute.copy(tma_d, tDgD[(None, 2 * n_tile + 1, kt, expert)], tDsB1[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
                         else:
                             failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
                         # No gather: an empty cp.async group keeps the lagged per-warp arrivals

@@ -253,6 +253,22 @@ SWAP_TILE_N = 128
 SWAP_ACC_MAX = 176
 SWAP_WIDE_K = 128
 SWAP_WIDE_K_STAGES = 3
+# The swapped tiles' weight loads are marked evict-first in L2 (override weights_evict_first:
+# false keeps the default policy): an expert's rows fit one such tile, so each weight byte is
+# read once, and the lines of x, h and y stay in L2 in their place. Measured on H200 (E64 K8
+# H2048 I1024, CUDA graphs, 4 interleaved rounds, the same bits): 1.026x at T = 64 (32-row tiles),
+# 0.996x at 256 (64 rows), 1.006x at 512 (96 rows), 1.020x at 1024 (160 rows); the plain 128-row
+# launch, whose experts' second M tiles find their weights in L2, 0.910x at T = 1536, so not there.
+SWAP_WEIGHTS_EVICT_FIRST = True
+# Gathered stages in flight per producer warp in swapped tiles of up to SWAP_GATHER_LAG_MAX_ROWS
+# token rows (where their stages allow it): the weight loads of the next stages are issued by
+# a warp that also gathers, and one gathered stage in flight held them back. Measured on H200
+# (CUDA graphs, 4 interleaved rounds, the same bits), lag 2 against 1: 64-row tiles 1.009x at
+# E64 T = 256, 1.036x at E40 T = 426, level at E40 T = 320 (lag 3 0.992x at E64); 96-row tiles
+# mixed (1.018x at E64 T = 512, 0.963x at E40 T = 640), so they keep 1; 160-row tiles 0.993x
+# at E64 T = 1024, where L2's throughput bounds the tile (docs/perf.md).
+SWAP_GATHER_LAG = 2
+SWAP_GATHER_LAG_MAX_ROWS = 64
 
 
 def check_swap_tiling(tile_m: int, tile_n: int, num_b: int) -> None:
@@ -500,8 +516,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         # stays in flight), so the producer may hold at most stages - 2 un-released
         # stages; one more and producer and consumers wait on each other forever.
         # Measured on H200 (E64 K8 H2048 I1024, T=16384): lag 2 was no faster than lag 1
-        # (3.14 vs 3.12 ms), so the default keeps the shallower, simpler one.
-        gather_lag = (overrides or {}).get(f"{name}.gather_lag", 1)
+        # (3.14 vs 3.12 ms), so the default keeps the shallower, simpler one; swapped tiles of
+        # few token rows keep SWAP_GATHER_LAG (see there).
+        default_lag = SWAP_GATHER_LAG if swap and rows_tile <= SWAP_GATHER_LAG_MAX_ROWS else 1
+        gather_lag = (overrides or {}).get(f"{name}.gather_lag", min(default_lag, max(tl["stages"] - 2, 1)))
         if not 1 <= gather_lag <= tl["stages"] - 2 and not (overrides or {}).get("debug_unchecked"):
             raise PlanError(f"{name}: gather lag {gather_lag} must be in [1, stages - 2] (deadlock otherwise)")
         # Which rows of an M tile hold tokens. A consumer warpgroup whose whole slice is
@@ -643,7 +661,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                     f"{name} (and {name}_routed, its routing twin): the single launch (it dispatches, runs every "
                     f"gate/up and down tile and combines: the same bits) with swapped {bp['tile_m']}x{bp['tile_n']}"
                     f"x{bp['tile_k']} tiles: the weights' {bp['tile_n']} rows the wgmma's M (1 producer + "
-                    f"{bp['mma_warpgroups']} MMA warpgroups of 64), the {n} token rows its N; {bp['stages']} stages; "
+                    f"{bp['mma_warpgroups']} MMA warpgroups of 64), the {n} token rows its N; {bp['stages']} stages, "
+                    f"{bp['gather_lag']} gathered in flight per producer warp; "
                     + ("each CTA counts every expert's pairs itself" if bp["dispatch"]["local_count"] else
                        "dispatch by chunks of pairs"))
         if why_bands:
@@ -754,6 +773,13 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     for k in kernels:
         if k.params.get("combine") and "combine_unroll" in (overrides or {}):
             k.params = dict(k.params, combine_unroll=overrides["combine_unroll"])
+        if k.params.get("swap") and k.params.get("fused") and (overrides or {}).get("weights_evict_first", SWAP_WEIGHTS_EVICT_FIRST):
+            # The swapped tiles' weight loads carry L2's evict-first policy (SWAP_WEIGHTS_EVICT_FIRST).
+            k.params = dict(k.params, weights_evict_first=True)
+    evict_first = [k.name for k in kernels if k.params.get("weights_evict_first") and not k.name.endswith("_routed")]
+    if evict_first:
+        decisions.append(f"{', '.join(evict_first)} (and their routing twins): weight loads evict-first in L2 (an "
+                         "expert's rows fit one tile, so each weight byte is read once; x, h and y keep their lines)")
     profile = bool((overrides or {}).get("profile"))
     # The kernels that record: every forward path's (the per-GEMM path, the single launch and
     # its bands by T; not the routing twins, which run the same tiles).
@@ -1154,8 +1180,9 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
+                           r"|weights_evict_first"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
-                           r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n)"
+                           r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
 
 
@@ -1168,7 +1195,7 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
         if key in ("debug_unchecked", "debug_break_dependency", "debug_break_dispatch", "profile", "fuse_gemms", "dispatch_chunked",
                    "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch",
-                   "fused_small", "launch_local_count", "launch_chunked"):
+                   "fused_small", "launch_local_count", "launch_chunked", "weights_evict_first"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
