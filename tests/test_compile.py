@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from mokgen.ir import PRESETS, MoESpec
+from mokgen.schedule.plan import L2_EVICT_FIRST
 
 pytestmark = pytest.mark.compile
 
@@ -94,7 +95,7 @@ def test_swapped_tiles_put_the_token_rows_on_the_wgmma_n(built):
         # The weight loads carry L2's evict-first policy (CacheHintSm90 EVICT_FIRST); the token rows'
         # loads (h, by TMA) the default one.
         ptx = (path / "build" / f"{k['name']}.ptx").read_text()
-        assert k["params"]["weights_evict_first"] and f"{0x12F0000000000000};" in ptx, k["name"]
+        assert k["params"]["weights_evict_first"] and f"{L2_EVICT_FIRST};" in ptx, k["name"]
 
 
 def test_single_launch_routes_and_dispatches_inside(built):

@@ -260,6 +260,9 @@ SWAP_WIDE_K_STAGES = 3
 # 0.996x at 256 (64 rows), 1.006x at 512 (96 rows), 1.020x at 1024 (160 rows); the plain 128-row
 # launch, whose experts' second M tiles find their weights in L2, 0.910x at T = 1536, so not there.
 SWAP_WEIGHTS_EVICT_FIRST = True
+# The L2 cache-policy word of an evict-first TMA load (the encoding CUTLASS's CacheHintSm90.EVICT_FIRST
+# names), which the kernel passes as the load's cache_policy.
+L2_EVICT_FIRST = 0x12F0000000000000
 # Gathered stages in flight per producer warp in swapped tiles of up to SWAP_GATHER_LAG_MAX_ROWS
 # token rows (where their stages allow it): the weight loads of the next stages are issued by
 # a warp that also gathers, and one gathered stage in flight held them back. Measured on H200
@@ -775,7 +778,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             k.params = dict(k.params, combine_unroll=overrides["combine_unroll"])
         if k.params.get("swap") and k.params.get("fused") and (overrides or {}).get("weights_evict_first", SWAP_WEIGHTS_EVICT_FIRST):
             # The swapped tiles' weight loads carry L2's evict-first policy (SWAP_WEIGHTS_EVICT_FIRST).
-            k.params = dict(k.params, weights_evict_first=True)
+            k.params = dict(k.params, weights_evict_first=True, weight_l2_policy=L2_EVICT_FIRST)
     evict_first = [k.name for k in kernels if k.params.get("weights_evict_first") and not k.name.endswith("_routed")]
     if evict_first:
         decisions.append(f"{', '.join(evict_first)} (and their routing twins): weight loads evict-first in L2 (an "
