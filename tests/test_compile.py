@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mokgen.ir import PRESETS, MoESpec
-from mokgen.schedule.plan import L2_EVICT_FIRST
+from mokgen.schedule.plan import L2_EVICT_FIRST, L2_EVICT_LAST
 
 pytestmark = pytest.mark.compile
 
@@ -92,10 +92,13 @@ def test_swapped_tiles_put_the_token_rows_on_the_wgmma_n(built):
         assert hgmma and all(f"HGMMA.64x{n}x16.F32.BF16" in line for line in hgmma), k["name"]
         assert len(hgmma) == 2 * k["params"]["tile_k"] // 16, k["name"]
         assert "STSM.16.MT88" in sass, k["name"]
-        # The weight loads carry L2's evict-first policy (CacheHintSm90 EVICT_FIRST); the token rows'
-        # loads (h, by TMA) the default one.
+        # The weight loads carry L2's evict-first policy (CacheHintSm90 EVICT_FIRST); the h rows' loads
+        # and the h and y stores (TMA, shared to global, with a cache hint) evict-last.
         ptx = (path / "build" / f"{k['name']}.ptx").read_text()
         assert k["params"]["weights_evict_first"] and f"{L2_EVICT_FIRST};" in ptx, k["name"]
+        assert k["params"]["rows_evict_last"] and f"{L2_EVICT_LAST};" in ptx, k["name"]
+        stores = [line for line in ptx.splitlines() if "cp.async.bulk.tensor" in line and ".global.shared::cta" in line]
+        assert stores and all("L2::cache_hint" in line for line in stores), k["name"]
 
 
 def test_single_launch_routes_and_dispatches_inside(built):

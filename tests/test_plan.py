@@ -7,7 +7,7 @@ import sympy
 
 from mokgen.ir import PRESETS, MoESpec, forward_graph
 from mokgen.schedule import H200, Plan, PlanError, choose_gemm_tiling, make_plan
-from mokgen.schedule.plan import SWAP_ACC_MAX, SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS, check_plan
+from mokgen.schedule.plan import L2_EVICT_LAST, SWAP_ACC_MAX, SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS, check_plan
 
 SPECS = list(PRESETS.values()) + [MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
                                   MoESpec(experts=1, topk=1, hidden=64, intermediate=64)]
@@ -351,6 +351,21 @@ def test_swapped_tiles_weights_evict_first():
                    for k in make_plan(spec, overrides={"weights_evict_first": False}).kernels)
     with pytest.raises(PlanError):
         make_plan(spec, overrides={"weights_evict_first": 1})
+
+
+def test_swapped_tiles_rows_evict_last():
+    """The swapped tiles' h and y rows (read again by the down tiles and the combine) are loaded and
+    stored evict-last in L2; the plain launch's are not; override rows_evict_last: false turns it off."""
+    spec = PRESETS["olmoe"]
+    plan = make_plan(spec)
+    marked = {k.name for k in plan.kernels if k.params.get("rows_evict_last")}
+    assert marked == {k.name for k in plan.kernels if k.params.get("swap") and k.params.get("fused")}
+    assert "gemm_fused_n64_routed" in marked and "gemm_fused" not in marked
+    assert {k.params["rows_l2_policy"] for k in plan.kernels if k.name in marked} == {L2_EVICT_LAST}
+    assert any("evict-last" in d for d in plan.decisions)
+    assert not any(k.params.get("rows_evict_last") for k in make_plan(spec, overrides={"rows_evict_last": False}).kernels)
+    with pytest.raises(PlanError):
+        make_plan(spec, overrides={"rows_evict_last": "yes"})
 
 
 def test_overrides_are_checked_and_recorded():

@@ -63,6 +63,7 @@ TILE_MNK = (64, 128, 64)
 C_TILE = (TILE_MNK[1], TILE_MNK[0])
 MMA_WARPGROUPS = 2
 WEIGHT_L2_POLICY = 0x12F0000000000000  # L2 cache policy: evict first (CUTLASS's CacheHintSm90.EVICT_FIRST)
+ROWS_L2_POLICY = 0x14F0000000000000  # L2 cache policy: evict last (CUTLASS's CacheHintSm90.EVICT_LAST)
 STAGES = 5
 EPI_STAGES = 2
 EPI_TILE = (128, 32)
@@ -874,7 +875,7 @@ class GemmFusedN64:
                                     cute.arch.mbarrier_expect_tx(bar, a_bytes)  # A comes by TMA too
                                 stage = prod_state.index
                                 if kind == DOWN:
-                                    cute.copy(tma_a2, tA2gA2[(None, m_tile, kt, 0)], tA2sA[(None, stage)], tma_bar_ptr=bar)
+                                    cute.copy(tma_a2, tA2gA2[(None, m_tile, kt, 0)], tA2sA[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(ROWS_L2_POLICY))
                                     cute.copy(tma_d, tDgD[(None, 2 * n_tile, kt, expert)], tDsB0[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
                                     cute.copy(tma_d, tDgD[(None, 2 * n_tile + 1, kt, expert)], tDsB1[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
                         else:
@@ -1018,7 +1019,7 @@ class GemmFusedN64:
                         cute.arch.fence_proxy("async.shared", space="cta")
                         epi_barrier.arrive_and_wait()
                         if store_warp:
-                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(epi))])
+                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(epi))], cache_policy=cutlass.Int64(ROWS_L2_POLICY))
                             store_pipeline.producer_commit()
                             store_pipeline.producer_acquire()
                         epi_barrier.arrive_and_wait()
@@ -1047,7 +1048,7 @@ class GemmFusedN64:
                         cute.arch.fence_proxy("async.shared", space="cta")
                         epi_barrier.arrive_and_wait()
                         if store_warp:
-                            cute.copy(tma_c2, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(epi))])
+                            cute.copy(tma_c2, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(epi))], cache_policy=cutlass.Int64(ROWS_L2_POLICY))
                             store_pipeline.producer_commit()
                             store_pipeline.producer_acquire()
                         epi_barrier.arrive_and_wait()
@@ -1067,7 +1068,7 @@ class GemmFusedN64:
                         cute.arch.fence_proxy("async.shared", space="cta")
                         epi_barrier.arrive_and_wait()
                         if store_warp:
-                            cute.copy(tma_c2, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(epi))])
+                            cute.copy(tma_c2, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(epi))], cache_policy=cutlass.Int64(ROWS_L2_POLICY))
                             store_pipeline.producer_commit()
                             store_pipeline.producer_acquire()
                         epi_barrier.arrive_and_wait()
