@@ -71,18 +71,27 @@ def energy_mj() -> int | None:
         return None
 
 
-def time_with_energy(fn, warmup: int = 10, iters: int = 50) -> tuple[float, float | None]:
-    """(median ms per call, mean J per call). Energy over a separate run of back-to-back
-    calls, long enough (>= 0.3 s) for the counter's resolution."""
+def time_with_energy(fn, warmup: int = 10, iters: int = 50) -> tuple[float, float | None, float | None]:
+    """(median ms per call, mean J per call, mean W while those calls ran). Energy over a
+    separate run of back-to-back calls, long enough (>= 0.3 s) for the counter's resolution.
+    The power is that run's energy over its own time: NVML's board power reading averages over
+    about a second and reads low after a short timing, where this one shows whether the calls
+    ran at the power cap (H200: 700 W), where a figure depends on how long the GPU has been busy."""
     ms = time_ms(fn, warmup, iters)
     reps = max(iters, int(300 / max(ms, 1e-3)))
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0 = energy_mj()
+    start.record()
     for _ in range(reps):
         fn()
+    end.record()
     torch.cuda.synchronize()
     e1 = energy_mj()
-    return ms, ((e1 - e0) / 1000 / reps if e0 is not None and e1 is not None else None)
+    if e0 is None or e1 is None:
+        return ms, None, None
+    joules = (e1 - e0) / 1000
+    return ms, joules / reps, joules / (start.elapsed_time(end) / 1000)
 
 
 def time_rounds(impls: dict, rounds: int, rows: list, **tags) -> dict:
@@ -176,18 +185,19 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
             out = fn() if name != "mokgen_graph" else impls["mokgen"]()
             err = rel_error(out, ref) if ref is not None else float("nan")
             if name == "torch_loop":
-                ms, joules = time_ms(fn, 5, 10), None
+                ms, joules, watts = time_ms(fn, 5, 10), None, None
             else:
-                ms, joules = time_with_energy(fn)
+                ms, joules, watts = time_with_energy(fn)
             st = gpu_state()
             if joules is not None:
-                st["joules"] = joules
+                st.update(joules=joules, call_power_w=round(watts))
             path = variant.forward_entry(T) if name.startswith("mokgen") else None  # which forward path ran
             rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=err,
                              routing=routing, path=path, **st))
             log(f"  {variant.name} T={T} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, rel_err {err:.2e}"
-                + (f", {st['sm_clock_mhz']} MHz, {st['power_w']} W" if "power_w" in st else "")
-                + (f", {st['joules']:.3f} J per call" if "joules" in st else ""))
+                + (f", {st['sm_clock_mhz']} MHz" if "sm_clock_mhz" in st else "")
+                + (f", {st['joules']:.3f} J per call, {st['call_power_w']} W while the calls ran" if "joules" in st
+                   else f", {st['power_w']} W" if "power_w" in st else ""))
         torch.cuda.empty_cache()
     base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
     for r in rows:
@@ -244,15 +254,16 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
 
             # Energy per call too: at large T both run into the power cap, where the time
             # follows the energy a call needs.
-            ms, joules = time_with_energy(call)
+            ms, joules, watts = time_with_energy(call)
             st = gpu_state()
+            if joules is not None:
+                st.update(joules=joules, call_power_w=round(watts))
             worst = max(errs.values()) if errs else float("nan")
             rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=worst,
-                             grad_errors=errs, routing=routing, path="forward+backward", **st,
-                             **({"joules": joules} if joules is not None else {})))
+                             grad_errors=errs, routing=routing, path="forward+backward", **st))
             log(f"  {variant.name} T={T} {name} fwd+bwd: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, worst "
-                f"gradient rel_err {worst:.2e}" + (f", {st['sm_clock_mhz']} MHz, {st['power_w']} W" if "power_w" in st
-                                                   else ""))
+                f"gradient rel_err {worst:.2e}" + (f", {st['sm_clock_mhz']} MHz" if "sm_clock_mhz" in st else "")
+                + (f", {st['call_power_w']} W while the calls ran" if "call_power_w" in st else ""))
         torch.cuda.empty_cache()
     base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
     for r in rows:
@@ -261,6 +272,8 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
 
 
 def format_table(rows: list[dict], peak: float) -> str:
+    """The bench table. W: the mean power while back-to-back calls ran (time_with_energy), or
+    NVML's board power reading where the energy counter is missing."""
     head = (f"{'variant':34s} {'T':>6s} {'impl':17s} {'ms':>9s} {'TFLOP/s':>8s} {'x grouped':>9s} {'% peak':>7s} "
             f"{'rel_err':>8s} {'MHz':>5s} {'W':>4s} {'J/call':>7s}")
     lines = [head, "-" * len(head)]
@@ -268,7 +281,7 @@ def format_table(rows: list[dict], peak: float) -> str:
         ratio = f"{r['speedup_vs_grouped_mm']:.2f}x" if r.get("speedup_vs_grouped_mm") else "-"
         lines.append(f"{r['variant']:34s} {r['T']:6d} {r['impl']:17s} {r['ms']:9.3f} {r['tflops']:8.1f} "
                      f"{ratio:>9s} {100 * r['tflops'] / r.get('peak_tflops', peak):6.1f}% {r['rel_err']:8.1e} "
-                     f"{r.get('sm_clock_mhz', '-'):>5} {r.get('power_w', '-'):>4} "
+                     f"{r.get('sm_clock_mhz', '-'):>5} {r.get('call_power_w', r.get('power_w', '-')):>4} "
                      f"{format(r['joules'], '.3f') if 'joules' in r else '-':>7}")
     return "\n".join(lines)
 

@@ -43,3 +43,17 @@ def test_interleaved_rounds_rotate_which_implementation_goes_first(monkeypatch):
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert [r["round"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2] and rows[0]["T"] == 1
     assert best == {"a": 93, "b": 92, "c": 94}
+
+
+def test_bench_table_gives_the_power_while_the_calls_ran():
+    """The W column is the energy counter's mean over the timed calls where there is one (NVML's
+    board reading averages over about a second and reads low after a short timing), else the
+    board reading."""
+    from mokgen.bench import format_table
+
+    row = dict(variant="v", T=1024, impl="mokgen", ms=0.266, tflops=388.0, speedup_vs_grouped_mm=3.7, rel_err=3e-3,
+               sm_clock_mhz=1500, power_w=577, joules=0.191, call_power_w=718)
+    board = {k: v for k, v in row.items() if k not in ("joules", "call_power_w")}
+    calls_line, board_line = format_table([row, board], peak=780.0).splitlines()[2:]
+    assert calls_line.split()[-2:] == ["718", "0.191"]
+    assert board_line.split()[-2:] == ["577", "-"]
