@@ -155,3 +155,25 @@ def test_fp8_module_keeps_its_quantised_experts_until_the_weights_change(monkeyp
         mokgen.MoE(256, 128, 8, 2, dtype="fp8", group=object())
     with pytest.raises(ValueError, match="dtype='fp8'"):
         mokgen.MoE(256, 128, 8, 2).fp8_experts()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.variant)
+def test_saved_shapes_are_the_buffers_and_the_tile_table_covers_every_row(spec):
+    """The fake implementation's saved tensors have the runtime buffers' shapes at every T
+    (where a band of swapped tiles lays out more rows than the per-GEMM path, both grow), and
+    the per-GEMM tile table has an entry for every row_token row: the kernels that walk all rows
+    (the SwiGLU backward, the x-row copy) read tile_expert[r // row_tile] before anything else
+    (at T = 1000 it once had 128 entries for 18240 rows, and the backward faulted)."""
+    from mokgen.runtime import variant as V
+    from mokgen.schedule.plan import make_plan
+
+    plan = make_plan(spec).to_dict()
+    v = types.SimpleNamespace(name="stand-in", spec=spec, plan=plan)
+    fns = V.call_buffer_fns(plan)
+    for T in sorted({*range(1, 2200, 13), *(top for top, _ in plan.get("launch_bands", [])),
+                     *(top + 1 for top, _ in plan.get("launch_bands", []))}):
+        real = {name: shape for name, _, shape, _ in V.buffer_shapes_at(fns, T)}
+        fake = V.Variant.saved_shapes(v, T)
+        for name in ("ga", "gb", "pos", "row_token", "tile_expert", "counts"):
+            assert tuple(fake[name]) == real[name], (T, name)
+        assert real["tile_expert"][0] * plan["row_tile"] >= real["row_token"][0], T

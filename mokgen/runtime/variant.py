@@ -545,6 +545,16 @@ class Variant:
         K, E, I, S = self.spec.topk, self.spec.local_experts, self.spec.intermediate, self.spec.shared_intermediate
         m_tiles = c * ((tokens * K + c * rt - 1) // (c * rt)) + c * E
         rows = m_tiles * rt
+        # The row buffers hold the per-GEMM path's rows or, where a band of swapped tiles serves
+        # T and lays out more, the band's (the Plan's rows_w), and the tile table covers them.
+        params = {k["name"]: k["params"] for k in self.plan["kernels"]}
+        for top, entry in self.plan.get("launch_bands", []):
+            if tokens <= top:
+                n = next((params[k]["tile_m"] for k in self.plan["steps"][entry] if params[k].get("swap")), 0)
+                if n and (tokens * K + n - 1) // n * n + E * n > rows:
+                    rows = (tokens * K + n - 1) // n * n + E * n
+                    m_tiles = (rows + rt - 1) // rt
+                break
         return dict(ga=(rows, I), gb=(rows, I), sa=(tokens, S) if S else (0,), sb=(tokens, S) if S else (0,),
                     pos=(tokens, K), row_token=(rows,), tile_expert=(m_tiles,), counts=(E,))
 

@@ -645,6 +645,11 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
             for b in buffers:
                 if b.name in ("row_token", "h", "y"):
                     b.shape[0] = _expr(rows_w)
+                if b.name == "tile_expert":
+                    # The per-GEMM tile table covers every row of these buffers: the kernels that
+                    # walk all rows of row_token (the SwiGLU backward, the x-row copy) read
+                    # tile_expert[r // row_tile] first, and dispatch writes -1 past the used tiles.
+                    b.shape[0] = _expr(sympy.ceiling(rows_w / row_tile))
             rows = rows_w  # (every buffer of rows after these, the backward's too, has as many)
             small_t = SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk
             for n in swapped:
