@@ -648,6 +648,35 @@ def test_backward_golden(shape, T, routing, saved, gen):
     assert not r.failures, f"relative errors above {TOL} and above torch bf16's {r.torch_errors}: {r.failures}"
 
 
+def _band_edges():
+    from mokgen.schedule.plan import make_plan
+
+    bands = make_plan(spec_of(SHAPES[0])).to_dict().get("launch_bands", [])
+    return sorted({1} | {top for top, _ in bands} | {top + 1 for top, _ in bands})
+
+
+@pytest.mark.parametrize("T", _band_edges())
+def test_training_step_unpoisoned_at_every_band_edge(T, gen):
+    """The training forward and backward as a user runs them (no poisoned workspace) at the first
+    and last T of every band of the single launch, where the row buffers change size: the
+    gradients are the poisoned run's bits. The allocator's memory is first filled with a positive
+    garbage pattern, so a kernel that reads an index nobody wrote (the tile table once had 128
+    entries for 18560 rows at T = 1024) faults or differs instead of reading -1."""
+    import mokgen
+    from mokgen.verify import GRADIENTS, run_backward_poisoned
+
+    v = mokgen.load(spec_of(SHAPES[0]))
+    x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], T, "uniform", gen)
+    dout = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
+    want = run_backward_poisoned(v, (x, ids, w, wg, wu, wd, (None, None, None)), dout)
+    junk = torch.full((1 << 28,), 0x7F7F7F7F, dtype=torch.int32, device="cuda")
+    del junk  # (its blocks go back to the caching allocator with the pattern in them)
+    _, *saved = v.forward_train(x, ids, w, wg, wu, wd)
+    got = v.backward(dout, x, ids, w, wg, wu, wd, saved=saved)[:5]
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, want[k]) for g, k in zip(got, GRADIENTS))
+
+
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 def test_backward_deterministic_bits(routing, gen):
     """20 backward runs, identical bits in every gradient (hot and empty experts included)."""
