@@ -551,9 +551,9 @@ class Variant:
         for top, entry in self.plan.get("launch_bands", []):
             if tokens <= top:
                 n = next((params[k]["tile_m"] for k in self.plan["steps"][entry] if params[k].get("swap")), 0)
-                if n and (tokens * K + n - 1) // n * n + E * n > rows:
-                    rows = (tokens * K + n - 1) // n * n + E * n
-                    m_tiles = (rows + rt - 1) // rt
+                band_rows = ((tokens * K + n - 1) // n + E) * n if n else 0
+                if band_rows > rows:
+                    rows, m_tiles = band_rows, (band_rows + rt - 1) // rt
                 break
         return dict(ga=(rows, I), gb=(rows, I), sa=(tokens, S) if S else (0,), sb=(tokens, S) if S else (0,),
                     pos=(tokens, K), row_token=(rows,), tile_expert=(m_tiles,), counts=(E,))

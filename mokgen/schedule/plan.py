@@ -789,20 +789,20 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     for k in kernels:
         if k.params.get("combine") and "combine_unroll" in (overrides or {}):
             k.params = dict(k.params, combine_unroll=overrides["combine_unroll"])
-        if k.params.get("swap") and k.params.get("fused") and (overrides or {}).get("weights_evict_first", SWAP_WEIGHTS_EVICT_FIRST):
-            # The swapped tiles' weight loads carry L2's evict-first policy (SWAP_WEIGHTS_EVICT_FIRST).
-            k.params = dict(k.params, weights_evict_first=True, weight_l2_policy=L2_EVICT_FIRST)
-        if k.params.get("swap") and k.params.get("fused") and (overrides or {}).get("rows_evict_last", SWAP_ROWS_EVICT_LAST):
-            # Their h and y rows' TMA loads and stores carry L2's evict-last policy (SWAP_ROWS_EVICT_LAST).
-            k.params = dict(k.params, rows_evict_last=True, rows_l2_policy=L2_EVICT_LAST)
-    evict_first = [k.name for k in kernels if k.params.get("weights_evict_first") and not k.name.endswith("_routed")]
-    if evict_first:
-        decisions.append(f"{', '.join(evict_first)} (and their routing twins): weight loads evict-first in L2 (an "
-                         "expert's rows fit one tile, so each weight byte is read once; x, h and y keep their lines)")
-    evict_last = [k.name for k in kernels if k.params.get("rows_evict_last") and not k.name.endswith("_routed")]
-    if evict_last:
-        decisions.append(f"{', '.join(evict_last)} (and their routing twins): h and y rows evict-last in L2 (the down "
-                         "tiles read h again, the combine y)")
+        if k.params.get("swap") and k.params.get("fused"):
+            # The swapped tiles' L2 policies: weight loads evict-first (SWAP_WEIGHTS_EVICT_FIRST),
+            # the h and y rows' TMA loads and stores evict-last (SWAP_ROWS_EVICT_LAST).
+            if (overrides or {}).get("weights_evict_first", SWAP_WEIGHTS_EVICT_FIRST):
+                k.params = dict(k.params, weights_evict_first=True, weight_l2_policy=L2_EVICT_FIRST)
+            if (overrides or {}).get("rows_evict_last", SWAP_ROWS_EVICT_LAST):
+                k.params = dict(k.params, rows_evict_last=True, rows_l2_policy=L2_EVICT_LAST)
+    for param, what in (("weights_evict_first", "weight loads evict-first in L2 (an expert's rows fit one tile, so "
+                                                "each weight byte is read once; x, h and y keep their lines)"),
+                        ("rows_evict_last", "h and y rows evict-last in L2 (the down tiles read h again, the "
+                                            "combine y)")):
+        marked = [k.name for k in kernels if k.params.get(param) and not k.name.endswith("_routed")]
+        if marked:
+            decisions.append(f"{', '.join(marked)} (and their routing twins): {what}")
     profile = bool((overrides or {}).get("profile"))
     # The kernels that record: every forward path's (the per-GEMM path, the single launch and
     # its bands by T; not the routing twins, which run the same tiles).
