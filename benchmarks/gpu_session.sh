@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
-# Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [anchor] [exp NAME VARIANT T,T,..] [profile VARIANT T]
+# Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [anchor] [twogpu] [exp NAME VARIANT T,T,..] [profile VARIANT T]
 #   train: forward+backward bench (E64 at T=4096,16384) and the training demo's loss curves (bf16, then FP8)
+#   twogpu: needs two GPUs of one host: the expert-parallel, multi-node and FP8 golden tests over both, then
+#           the expert-parallel forward and forward+backward bench and the FP8 layer beside bf16 over both
+#           (builds: python benchmarks/stage_builds.py DEST --set twogpu, MOKGEN_HOME=DEST)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
 #           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)
 set -uo pipefail
@@ -20,6 +23,13 @@ while [ $# -gt 0 ]; do
       $B --backward --tokens 4096,16384 --json "$OUT/train-e64.json" 2>&1 | tail -8 | tee "$OUT/train.log"
       timeout 240 python3 benchmarks/train_demo.py --steps 300 --out "$OUT/train" 2>&1 | tail -16 | tee -a "$OUT/train.log"
       timeout 240 python3 benchmarks/train_demo.py --dtype fp8 --steps 300 --out "$OUT/train-fp8" 2>&1 | tail -3 | tee -a "$OUT/train.log"
+      shift ;;
+    twogpu)
+      timeout 360 python3 -m pytest -q tests/test_expert_parallel_gpu.py tests/test_multinode_gpu.py \
+        tests/test_fp8_gpu.py::test_fp8_over_two_gpus_golden 2>&1 | tee "$OUT/twogpu-tests.log" | tail -4
+      R="timeout 150 python3 -m torch.distributed.run --nproc-per-node=2"
+      $R benchmarks/ep_bench.py --tokens 4096,8192 --backward --json "$OUT/ep.json" 2>&1 | tail -16 | tee "$OUT/twogpu.log"
+      $R benchmarks/multinode_bench.py --fp8 --json "$OUT/multinode.json" 2>&1 | tail -16 | tee -a "$OUT/twogpu.log"
       shift ;;
     anchor) timeout 400 python3 benchmarks/anchor_compare.py --json "$OUT/anchor.json" 2>&1 | tee "$OUT/anchor.log" | tail -16
       shift ;;

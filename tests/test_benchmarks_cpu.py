@@ -57,3 +57,41 @@ def test_bench_table_gives_the_power_while_the_calls_ran():
     calls_line, board_line = format_table([row, board], peak=780.0).splitlines()[2:]
     assert calls_line.split()[-2:] == ["718", "0.191"]
     assert board_line.split()[-2:] == ["577", "-"]
+
+
+def test_stage_builds_copies_what_the_runtime_loads(tmp_path):
+    """stage_builds.py copies each matching variant's manifest, library and hierarchy in generated/'s
+    layout (and nothing else), refuses a copy over --max-mb before writing, and names unbuilt ones."""
+    import os
+
+    home, dest = tmp_path / "generated", tmp_path / "staged"
+    for rel, files in {"e64_a_sm90a": ("manifest.json", "build/libmokgen.so", "build/gemm.cubin", "gemm.py"),
+                       "e64_a_w2nvlink_n2_sm90a": ("hierarchy.json",),
+                       "experiments/ep_x/e64_a_w2nvlink_sm90a": ("manifest.json", "build/libmokgen.so"),
+                       "experiments/other/e64_a_sm90a": ("manifest.json", "build/libmokgen.so")}.items():
+        for f in files:
+            (home / rel / f).parent.mkdir(parents=True, exist_ok=True)
+            (home / rel / f).write_bytes(b"x" * 1000)
+    env = dict(os.environ, MOKGEN_HOME=str(home))
+
+    def stage(*args):
+        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stage_builds.py"), str(dest), *args],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    r = stage("--set", "twogpu")
+    assert r.returncode == 0, r.stderr
+    got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert got == ["e64_a_sm90a/build/libmokgen.so", "e64_a_sm90a/manifest.json",
+                   "e64_a_w2nvlink_n2_sm90a/hierarchy.json",
+                   "experiments/ep_x/e64_a_w2nvlink_sm90a/build/libmokgen.so",
+                   "experiments/ep_x/e64_a_w2nvlink_sm90a/manifest.json"]
+    r = stage("experiments/other/*")  # DEST emptied first: only this one now
+    assert r.returncode == 0 and sorted(p.name for p in dest.rglob("*") if p.is_file()) == ["libmokgen.so",
+                                                                                        "manifest.json"]
+    r = stage("--max-mb", "0.001")
+    assert r.returncode == 1 and "over --max-mb" in r.stderr and (dest / "experiments").exists()
+    r = stage("nothing_*")
+    assert r.returncode == 1 and "no built variant" in r.stderr
+    (home / "e64_a_sm90a" / "build" / "libmokgen.so").unlink()
+    r = stage("e64_a_sm90a")
+    assert r.returncode == 1 and "not compiled: e64_a_sm90a" in r.stderr
