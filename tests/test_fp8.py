@@ -203,6 +203,30 @@ def test_fp8_gemms_take_128_x_256_tiles_where_n_allows():
         params(odd, {"gemm_gateup_fp8.cluster": 2, "gemm_gateup_fp8.tile_n": 256})
 
 
+def test_fp8_half_tail_units_take_row_token_last_and_only_wide_tiles():
+    """half_tail (per GEMM): the kernel's tail units load half of A, so it takes row_token as its
+    last argument (after the training gate/up's products); only 128 x 256 tiles take it."""
+    from mokgen.schedule.fp8 import FP8_HALF_TAIL
+
+    gemms = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
+    spec = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8")
+    for on in (0, 1):
+        kernels = {k.name: k for k in make_plan(spec, overrides={f"{g}.half_tail": on for g in gemms}).kernels}
+        for name in (*gemms, "gemm_gateup_fp8_train"):
+            k = kernels[name]
+            assert k.params["half_tail"] == bool(on), name
+            assert (k.args[-1].name == "row_token") == bool(on), name
+        train = [a.name for a in kernels["gemm_gateup_fp8_train"].args]
+        assert train[-2:] == (["products", "row_token"] if on else ["c_scales", "products"])
+    assert all(k.params.get("half_tail", False) == bool(FP8_HALF_TAIL) for k in make_plan(spec).kernels
+               if k.name in gemms)
+    odd = MoESpec(experts=8, topk=2, hidden=1152, intermediate=512, dtype="fp8")  # the down GEMM: 128-wide tiles
+    with pytest.raises(PlanError, match="only wide tiles"):
+        make_plan(odd, overrides={"gemm_down_fp8.half_tail": 1})
+    with pytest.raises(PlanError, match="0 or 1"):
+        make_plan(spec, overrides={"gemm_down_fp8.half_tail": 2})
+
+
 def test_fp8_clusters_are_an_override_that_needs_paired_units():
     from mokgen.schedule.fp8 import cluster_n
 

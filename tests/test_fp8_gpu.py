@@ -18,7 +18,11 @@ FP8_EXPERIMENTS = {"fp8_cluster": {"gemm_gateup_fp8.cluster": 2, "gemm_down_fp8.
                    # 128 x 128 tiles (two block accumulators per warpgroup) in every forward and dgrad
                    # GEMM, where the default takes 128 x 256
                    "fp8_narrow": {f"{g}.tile_n": 128 for g in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8",
-                                                               "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")}}
+                                                               "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")},
+                   # a tail unit (tokens in its M tile's first half only) loads half of A in every forward
+                   # and dgrad GEMM, its second warpgroup idle
+                   "fp8_half_tail": {f"{g}.half_tail": 1 for g in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8",
+                                                                   "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")}}
 BUILDS = [None, *FP8_EXPERIMENTS]
 
 

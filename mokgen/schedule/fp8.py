@@ -80,7 +80,7 @@ FP8_SCHED_STAGES = 2  # unit slots between a GEMM's scheduler and its consumers 
 # runtime iteration of the mainloop (k_unroll: 0 = the whole loop unrolled; otherwise the
 # number of 2-block steps per iteration).
 FP8_GEMMS = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
-FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "cluster", "tile_n")) + (
+FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "cluster", "tile_n", "half_tail")) + (
     # every wait's bound (ms; the bf16 layer's default), and debug builds whose GEMM's CTAs never
     # get the bytes of their first stage: its waits must give up and the call raise KernelTimeout
     "wait_timeout_ms", "gemm_down_fp8.debug_break", "wgrad_down_fp8.debug_break")
@@ -92,6 +92,32 @@ FP8_OVERRIDES = tuple(f"{g}.{o}" for g in FP8_GEMMS for o in ("k_unroll", "clust
 # 2.68 ms; at E64 T=16384 both about the same (docs/fp8.md).
 FP8_WIDE_B_TILES = 2
 FP8_WIDE_UNROLL = 4  # K blocks per runtime iteration of a wide tile's mainloop: no spills at 1, 2, 4; at E256 T=8192 4 ran the forward ~2% faster than 2
+
+
+# A unit whose M tile holds tokens in its first FP8_TILE_M / 2 rows only (an expert's last tile;
+# the rest padding, row_token -1) loads only those rows of A, and its second consumer warpgroup
+# issues no QGMMA and keeps the zero sums that padding rows give (the same bits). These GEMMs
+# are bound by the bytes each SM takes in (docs/fp8.md), and such a unit's stage is a sixth
+# smaller. Wide tiles only; override half_tail: 1 per GEMM.
+FP8_HALF_TAIL = 0
+
+
+def half_tail(name: str, tiles: int, overrides: dict) -> bool:
+    """Whether the GEMM's tail units load half of A (FP8_HALF_TAIL; override {name}.half_tail)."""
+    key = f"{name}.half_tail"
+    want = int(overrides.get(key, FP8_HALF_TAIL if tiles == FP8_WIDE_B_TILES else 0))
+    if want not in (0, 1):
+        raise_plan_error(f"override {key} must be 0 or 1, got {want}")
+    if want and tiles != FP8_WIDE_B_TILES:
+        raise_plan_error(f"override {key}: only wide tiles ({name}.tile_n {FP8_WIDE_B_TILES * FP8_TILE_N}) load half of A")
+    return bool(want)
+
+
+def row_token_arg(tail: bool) -> list:
+    """A half_tail GEMM's last argument: which rows hold tokens."""
+    from .plan import KernelArg  # (plan imports this module)
+
+    return [KernelArg("row_token", "row_token", "i32", ["M"])] if tail else []
 
 
 def b_tiles(name: str, n_size: int, cluster: int, overrides: dict) -> tuple[int, str]:
@@ -211,6 +237,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         unroll, why_unroll = k_unroll(name, k_size // FP8_BLOCK, tiles, overrides, wide=tiles > 1)
         why.extend([why_tile, why_unroll, why_cluster])
         stages = FP8_AB_SMEM // ((FP8_TILE_M + tiles * FP8_TILE_N) * FP8_BLOCK)
+        tail = half_tail(name, tiles, overrides)
         return KernelPlan(
             name=name, stage=stage, module=name, template="grouped_gemm_fp8.py.j2", entry="main",
             params=dict(name=name, class_name=class_name, doc=doc, tile_m=FP8_TILE_M, tile_n=FP8_TILE_N,
@@ -218,7 +245,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                         mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages, n_size=n_size, k_size=k_size,
                         groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
                         consumer_regs=FP8_CONSUMER_REGS, k_unroll=unroll, cluster_n=cluster, b_tiles=tiles,
-                        debug_break=bool(overrides.get(f"{name}.debug_break")), **sched[name]),
+                        debug_break=bool(overrides.get(f"{name}.debug_break")), half_tail=tail, **sched[name]),
             # (scales row-major [M, K/128]: a tensor's dynamic extent may only be its first, as
             # the launch shim passes no strides)
             args=[KernelArg("a", a, "e4m3", ["M", k_size]),
@@ -227,7 +254,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                   KernelArg("b_scales", f"{b[:-2]}_scales", "f32", [E, n_size // FP8_BLOCK, k_size // FP8_BLOCK]),
                   KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
                   KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
-                  KernelArg("c", c, "bf16", ["M", n_size])],
+                  KernelArg("c", c, "bf16", ["M", n_size])] + row_token_arg(tail),
             grid=f"(min({target.sms}, MT * {n_size // (tiles * FP8_TILE_N)}),)", block=threads,
             warp_roles=["warpgroup 0, warp 0: the unit scheduler and TMA producer of the A and B stages",
                         "warpgroups 1-2: QGMMA per 128-wide K block, then its promotion times the row and block "
@@ -250,6 +277,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                                   "FP8 dgrad of the gate/up projection: dxs = [da | db] @ [w_gate; w_up] per "
                                   "expert (B = their interleaved transposed copy), blockwise scaled.",
                                   "dab_q", "w13_t_q", "dxs", H, 2 * I)
+    gateup_tail = half_tail("gemm_gateup_fp8", gateup_b_tiles, overrides)
     gateup = KernelPlan(
         name="gemm_gateup_fp8", stage="gemm_gateup", module="gemm_gateup_fp8", template="grouped_gemm_fp8.py.j2",
         entry="main",
@@ -260,7 +288,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=gateup_stages,
                     n_size=2 * I, k_size=H, groups=E, threads=threads, sms=target.sms,
                     producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS, k_unroll=gateup_unroll,
-                    cluster_n=gateup_cluster, b_tiles=gateup_b_tiles, **sched["gemm_gateup_fp8"]),
+                    cluster_n=gateup_cluster, b_tiles=gateup_b_tiles, half_tail=gateup_tail,
+                    **sched["gemm_gateup_fp8"]),
         args=[KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
               KernelArg("a_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK]),
               KernelArg("b", "w13_q", "e4m3", [E, 2 * I, H]),
@@ -268,7 +297,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
               KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
               KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
               KernelArg("c", "h_q", "e4m3", ["M", I]),
-              KernelArg("c_scales", "h_scales", "f32", ["M", I // FP8_BLOCK])],
+              KernelArg("c_scales", "h_scales", "f32", ["M", I // FP8_BLOCK])] + row_token_arg(gateup_tail),
         grid=f"(min({target.sms}, MT * {I // FP8_BLOCK}),)", block=threads,
         warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
                     "warpgroups 1-2: QGMMA per 128-wide K block and its promotion; per 1 x 128 block of h, two "
@@ -282,7 +311,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         gateup, name="gemm_gateup_fp8_train", module="gemm_gateup_fp8_train",
         params={**gateup.params, "name": "gemm_gateup_fp8_train", "class_name": "GemmGateUpFP8Train",
                 "save_products": True},
-        args=gateup.args + [KernelArg("products", "a13", "bf16", ["M", 2 * I])],
+        args=gateup.args[:8] + [KernelArg("products", "a13", "bf16", ["M", 2 * I])] + gateup.args[8:],
         warp_roles=gateup.warp_roles[:1] + [gateup.warp_roles[1] + "; the products in bf16 (a13) before SwiGLU"])
     quant_threads = 256
     quantize = KernelPlan(
