@@ -110,6 +110,8 @@ def half_tail(name: str, tiles: int, overrides: dict) -> bool:
         raise_plan_error(f"override {key} must be 0 or 1, got {want}")
     if want and tiles != FP8_WIDE_B_TILES:
         raise_plan_error(f"override {key}: only wide tiles ({name}.tile_n {FP8_WIDE_B_TILES * FP8_TILE_N}) load half of A")
+    if want and overrides.get(f"{name}.debug_break"):  # (the debug stall sits in the full-tile load)
+        raise_plan_error(f"override {key} does not combine with {name}.debug_break")
     return bool(want)
 
 
@@ -278,6 +280,14 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                                   "expert (B = their interleaved transposed copy), blockwise scaled.",
                                   "dab_q", "w13_t_q", "dxs", H, 2 * I)
     gateup_tail = half_tail("gemm_gateup_fp8", gateup_b_tiles, overrides)
+    gateup_args = [KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
+                   KernelArg("a_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK]),
+                   KernelArg("b", "w13_q", "e4m3", [E, 2 * I, H]),
+                   KernelArg("b_scales", "w13_scales", "f32", [E, 2 * I // FP8_BLOCK, H // FP8_BLOCK]),
+                   KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                   KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
+                   KernelArg("c", "h_q", "e4m3", ["M", I]),
+                   KernelArg("c_scales", "h_scales", "f32", ["M", I // FP8_BLOCK])]
     gateup = KernelPlan(
         name="gemm_gateup_fp8", stage="gemm_gateup", module="gemm_gateup_fp8", template="grouped_gemm_fp8.py.j2",
         entry="main",
@@ -290,14 +300,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                     producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS, k_unroll=gateup_unroll,
                     cluster_n=gateup_cluster, b_tiles=gateup_b_tiles, half_tail=gateup_tail,
                     **sched["gemm_gateup_fp8"]),
-        args=[KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
-              KernelArg("a_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK]),
-              KernelArg("b", "w13_q", "e4m3", [E, 2 * I, H]),
-              KernelArg("b_scales", "w13_scales", "f32", [E, 2 * I // FP8_BLOCK, H // FP8_BLOCK]),
-              KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
-              KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
-              KernelArg("c", "h_q", "e4m3", ["M", I]),
-              KernelArg("c_scales", "h_scales", "f32", ["M", I // FP8_BLOCK])] + row_token_arg(gateup_tail),
+        args=gateup_args + row_token_arg(gateup_tail),
         grid=f"(min({target.sms}, MT * {I // FP8_BLOCK}),)", block=threads,
         warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
                     "warpgroups 1-2: QGMMA per 128-wide K block and its promotion; per 1 x 128 block of h, two "
@@ -311,7 +314,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         gateup, name="gemm_gateup_fp8_train", module="gemm_gateup_fp8_train",
         params={**gateup.params, "name": "gemm_gateup_fp8_train", "class_name": "GemmGateUpFP8Train",
                 "save_products": True},
-        args=gateup.args[:8] + [KernelArg("products", "a13", "bf16", ["M", 2 * I])] + gateup.args[8:],
+        args=gateup_args + [KernelArg("products", "a13", "bf16", ["M", 2 * I])] + row_token_arg(gateup_tail),
         warp_roles=gateup.warp_roles[:1] + [gateup.warp_roles[1] + "; the products in bf16 (a13) before SwiGLU"])
     quant_threads = 256
     quantize = KernelPlan(
