@@ -91,8 +91,9 @@ def gemms(v8, vb, T, x, ids, wg, wu, wd, g):
     h_q, h_s = quantize_rows(h)
     w_q, w_s = quantize_blocks(wd)
     y8 = torch.empty(rows, H, dtype=torch.bfloat16, device="cuda")
+    row_token = torch.where(row_expert >= 0, 0, -1).to(torch.int32).cuda()  # (valid rows; the A rows are h's)
     env = dict(h_q=h_q, h_scales=h_s, w_down_q=w_q, w_down_scales=w_s,
-               tile_expert=tile_expert.cuda(), y=y8)
+               tile_expert=tile_expert.cuda(), row_token=row_token, y=y8)
     env["tile_counters"] = tile_counters(v8)
 
     def fp8_down():
@@ -101,7 +102,6 @@ def gemms(v8, vb, T, x, ids, wg, wu, wd, g):
 
     fp8_ms = timed(fp8_down)
     hb = h.bfloat16()
-    row_token = torch.where(row_expert >= 0, 0, -1).to(torch.int32).cuda()  # (valid rows; the A rows are h's)
     counters = torch.zeros(down.args[4]["shape"][0], dtype=torch.int32, device="cuda")
     yb = torch.empty(rows, H, dtype=torch.bfloat16, device="cuda")
     te = tile_expert.cuda()
@@ -122,7 +122,7 @@ def gemms(v8, vb, T, x, ids, wg, wu, wd, g):
     w13q, w13s = quantize_blocks(interleave_gate_up(wg, wu))
     hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device="cuda")
     hs = torch.empty(rows, I // 128, device="cuda")
-    genv = dict(x_rows_q=xq, x_rows_scales=xs, w13_q=w13q, w13_scales=w13s, tile_expert=te, h_q=hq, h_scales=hs)
+    genv = dict(x_rows_q=xq, x_rows_scales=xs, w13_q=w13q, w13_scales=w13s, tile_expert=te, row_token=row_token, h_q=hq, h_scales=hs)
     genv["tile_counters"] = env["tile_counters"]
 
     def fp8_gateup():

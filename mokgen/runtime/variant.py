@@ -352,7 +352,13 @@ class Variant:
                 side = self._streams(device)[1]
                 side.wait_stream(main)
                 stream = side
-            self.launchers[name]([env[a["tensor"]] for a in k["args"]], stream.cuda_stream)
+            try:
+                args = [env[a["tensor"]] for a in k["args"]]
+            except KeyError:
+                missing = [a["tensor"] for a in k["args"] if a["tensor"] not in env]
+                raise KeyError(f"{self.spec.variant}: kernel {name} needs tensors {missing}, "
+                               "which this call did not give") from None
+            self.launchers[name](args, stream.cuda_stream)
         if two:  # joined: the caller's later work, and the call's buffers' reuse, come after it all
             caller.wait_stream(main)
             if side is not None:
