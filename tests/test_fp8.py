@@ -225,6 +225,12 @@ def test_fp8_half_tail_units_take_row_token_last_and_only_wide_tiles():
         make_plan(odd, overrides={"gemm_down_fp8.half_tail": 1})
     with pytest.raises(PlanError, match="0 or 1"):
         make_plan(spec, overrides={"gemm_down_fp8.half_tail": 2})
+    # a debug build's stall sits in the full-tile load: the default yields to it, an override is refused
+    broken = {k.name: k for k in make_plan(spec, overrides={"gemm_down_fp8.debug_break": 1}).kernels}
+    assert not broken["gemm_down_fp8"].params["half_tail"]
+    assert broken["gemm_gateup_fp8"].params["half_tail"] == bool(FP8_HALF_TAIL)
+    with pytest.raises(PlanError, match="debug_break"):
+        make_plan(spec, overrides={"gemm_down_fp8.debug_break": 1, "gemm_down_fp8.half_tail": 1})
 
 
 def test_fp8_clusters_are_an_override_that_needs_paired_units():

@@ -19,9 +19,9 @@ FP8_EXPERIMENTS = {"fp8_cluster": {"gemm_gateup_fp8.cluster": 2, "gemm_down_fp8.
                    # GEMM, where the default takes 128 x 256
                    "fp8_narrow": {f"{g}.tile_n": 128 for g in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8",
                                                                "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")},
-                   # a tail unit (tokens in its M tile's first half only) loads half of A in every forward
-                   # and dgrad GEMM, its second warpgroup idle
-                   "fp8_half_tail": {f"{g}.half_tail": 1 for g in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8",
+                   # a tail unit (tokens in its M tile's first half only) loads all of A in every forward
+                   # and dgrad GEMM, as every unit does, where the default loads half
+                   "fp8_full_tail": {f"{g}.half_tail": 0 for g in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8",
                                                                    "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")}}
 BUILDS = [None, *FP8_EXPERIMENTS]
 
@@ -75,6 +75,12 @@ def row_layout(ids, E, tile_m=128):
     return rows + tile_m, torch.tensor(tile_expert + [-1], dtype=torch.int32), row_expert
 
 
+def token_rows(row_expert):
+    """row_token as far as the plain GEMMs read it (a half_tail build: which rows hold tokens):
+    0 on a row with a pair, -1 on padding."""
+    return torch.where(row_expert >= 0, 0, -1).to(torch.int32).cuda()
+
+
 def pair_rows(ids, row_expert, E):
     """dispatch's tables for a routing: row_token [rows] (each expert's pairs in (token, slot)
     order from its first row; -1 on padding rows) and pos [T, K] (the pairs' rows; left
@@ -90,7 +96,7 @@ def pair_rows(ids, row_expert, E):
     return row_token.cuda(), pos.cuda()
 
 
-def check_plain_gemm(v, entry, names, a, weights, tile_expert):
+def check_plain_gemm(v, entry, names, a, weights, tile_expert, row_expert):
     """Run one of the plain FP8 GEMMs (bf16 C = A @ B[e]^T per used M tile, templates/
     grouped_gemm_fp8.py.j2) on A [rows, K] (float; padding rows zero), quantised per row, and
     weights (FP8Weights [E, N, K]); poisoned C; against the float64 emulation rounded to bf16
@@ -104,7 +110,8 @@ def check_plain_gemm(v, entry, names, a, weights, tile_expert):
     c = torch.full((rows, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     v.run(entry, {a_name: a_q, a_name[:-2] + "_scales": a_s, b_name: weights.values,
                   b_name[:-2] + "_scales": weights.scales, "tile_counters": tile_counters(v),
-                  "tile_expert": tile_expert.cuda(), c_name: c}, torch.device("cuda"))
+                  "tile_expert": tile_expert.cuda(), "row_token": token_rows(row_expert), c_name: c},
+          torch.device("cuda"))
     torch.cuda.synchronize()
     ref = torch.zeros(rows, N, dtype=torch.float64, device="cuda")
     used = torch.zeros(rows, dtype=torch.bool, device="cuda")
@@ -130,7 +137,8 @@ def test_down_gemm_fp8_golden(shape, T, routing, build):
                                                                                   T * 7 + len(routing), build)
     h = torch.randn(rows, I, device="cuda", generator=g)
     h[row_expert.cuda() < 0] = 0.0  # padding rows hold zeros
-    check_plain_gemm(v, "gemm_down_fp8", ("h_q", "w_down_q", "y"), h, FP8Weights(*quantize_blocks(wd)), tile_expert)
+    check_plain_gemm(v, "gemm_down_fp8", ("h_q", "w_down_q", "y"), h, FP8Weights(*quantize_blocks(wd)), tile_expert,
+                     row_expert)
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
@@ -152,10 +160,11 @@ def test_dgrad_gemms_fp8_golden(shape, T, routing, which, build):
     a = torch.randn(rows, k_size, device="cuda", generator=g)
     a[row_expert.cuda() < 0] = 0.0
     if which == "down":
-        check_plain_gemm(v, "bwd_dgrad_down_fp8", ("dy_q", "w_down_t_q", "dh"), a, experts.down_t, tile_expert)
+        check_plain_gemm(v, "bwd_dgrad_down_fp8", ("dy_q", "w_down_t_q", "dh"), a, experts.down_t, tile_expert,
+                         row_expert)
     else:
         check_plain_gemm(v, "bwd_dgrad_gateup_fp8", ("dab_q", "w13_t_q", "dxs"), a, experts.gate_up_t,
-                         tile_expert)
+                         tile_expert, row_expert)
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
@@ -182,7 +191,8 @@ def test_gate_up_gemm_fp8_golden(shape, T, routing, build):
     h_q = torch.full((rows, I), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     h_s = torch.full((rows, I // 128), float("nan"), device="cuda")
     v.run("gemm_gateup_fp8", dict(x_rows_q=xq, x_rows_scales=xs, w13_q=w_q, w13_scales=w_s, tile_counters=tile_counters(v),
-                                  tile_expert=tile_expert.cuda(), h_q=h_q, h_scales=h_s), torch.device("cuda"))
+                                  tile_expert=tile_expert.cuda(), row_token=token_rows(row_expert), h_q=h_q,
+                                  h_scales=h_s), torch.device("cuda"))
     torch.cuda.synchronize()
     used = torch.zeros(rows, dtype=torch.bool, device="cuda")
     ref_q = torch.zeros(rows, I, dtype=torch.float8_e4m3fn, device="cuda")
@@ -284,7 +294,7 @@ def test_recompute_gemm_fp8_golden(shape, T, routing, build):
     x_rows = torch.randn(rows, H, device="cuda", generator=g)
     x_rows[row_expert.cuda() < 0] = 0.0
     check_plain_gemm(v, "bwd_recompute_fp8", ("x_rows_q", "w13_q", "a13"), x_rows,
-                     FP8Weights(*quantize_blocks(interleave_gate_up(wg, wu))), tile_expert)
+                     FP8Weights(*quantize_blocks(interleave_gate_up(wg, wu))), tile_expert, row_expert)
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
