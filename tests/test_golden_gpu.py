@@ -783,7 +783,7 @@ def test_moe_routed_rejects_bad_inputs_before_launch(gen):
     logits = torch.randn(16, E, device="cuda", generator=gen)
     for bad, match in (((x[:8], logits, K), "T = router_logits"), ((x, logits.double(), K), "float32"),
                        ((x, logits[:, :8].contiguous(), K), "route over 8 experts"), ((x, logits, 0), "topk"),
-                       ((x, logits.t(), K), "")):
+                       ((x, logits.t(), K), "contiguous")):
         with pytest.raises(InputError, match=match):
             mokgen.moe_routed(bad[0], bad[1], bad[2], wg, wu, wd)
 
