@@ -35,7 +35,7 @@ from mokgen.ir import MoESpec
 from mokgen.verify import make_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_fp8_gpu import row_layout, tile_counters  # noqa: E402
+from test_fp8_gpu import row_layout, tile_counters, token_rows  # noqa: E402
 
 
 def main():
@@ -91,7 +91,7 @@ def gemms(v8, vb, T, x, ids, wg, wu, wd, g):
     h_q, h_s = quantize_rows(h)
     w_q, w_s = quantize_blocks(wd)
     y8 = torch.empty(rows, H, dtype=torch.bfloat16, device="cuda")
-    row_token = torch.where(row_expert >= 0, 0, -1).to(torch.int32).cuda()  # (valid rows; the A rows are h's)
+    row_token = token_rows(row_expert)  # (which rows hold tokens; the A rows are h's)
     env = dict(h_q=h_q, h_scales=h_s, w_down_q=w_q, w_down_scales=w_s,
                tile_expert=tile_expert.cuda(), row_token=row_token, y=y8)
     env["tile_counters"] = tile_counters(v8)
@@ -122,7 +122,8 @@ def gemms(v8, vb, T, x, ids, wg, wu, wd, g):
     w13q, w13s = quantize_blocks(interleave_gate_up(wg, wu))
     hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device="cuda")
     hs = torch.empty(rows, I // 128, device="cuda")
-    genv = dict(x_rows_q=xq, x_rows_scales=xs, w13_q=w13q, w13_scales=w13s, tile_expert=te, row_token=row_token, h_q=hq, h_scales=hs)
+    genv = dict(x_rows_q=xq, x_rows_scales=xs, w13_q=w13q, w13_scales=w13s, tile_expert=te, row_token=row_token,
+                h_q=hq, h_scales=hs)
     genv["tile_counters"] = env["tile_counters"]
 
     def fp8_gateup():

@@ -16,9 +16,9 @@ import pytest
 from mokgen.codegen import render
 from mokgen.ir import PRESETS, MoESpec
 from mokgen.schedule import make_plan
+from mokgen.schedule.fp8 import FP8_GEMMS
 
 ONE_THREAD = re.compile(r"lane_idx\(\) == 0|\blane == 0|\btidx == 0|elect_one")
-FP8_GEMMS = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
 
 PLANS = {
     **{name: (spec, {}) for name, spec in PRESETS.items()},

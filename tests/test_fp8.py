@@ -206,9 +206,8 @@ def test_fp8_gemms_take_128_x_256_tiles_where_n_allows():
 def test_fp8_half_tail_units_take_row_token_last_and_only_wide_tiles():
     """half_tail (per GEMM): the kernel's tail units load half of A, so it takes row_token as its
     last argument (after the training gate/up's products); only 128 x 256 tiles take it."""
-    from mokgen.schedule.fp8 import FP8_HALF_TAIL
+    from mokgen.schedule.fp8 import FP8_GEMMS as gemms, FP8_HALF_TAIL
 
-    gemms = ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8", "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")
     spec = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8")
     for on in (0, 1):
         kernels = {k.name: k for k in make_plan(spec, overrides={f"{g}.half_tail": on for g in gemms}).kernels}

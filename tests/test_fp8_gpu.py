@@ -4,6 +4,7 @@ the kernel rounds its output. They need the FP8 variants built (benchmarks/build
 import pytest
 
 from mokgen.ir import MoESpec
+from mokgen.schedule.fp8 import FP8_GEMMS
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -17,12 +18,10 @@ ROWS_SHAPES = FP8_SHAPES + [(8, 2, 1152, 512)]
 FP8_EXPERIMENTS = {"fp8_cluster": {"gemm_gateup_fp8.cluster": 2, "gemm_down_fp8.cluster": 2},
                    # 128 x 128 tiles (two block accumulators per warpgroup) in every forward and dgrad
                    # GEMM, where the default takes 128 x 256
-                   "fp8_narrow": {f"{g}.tile_n": 128 for g in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8",
-                                                               "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")},
+                   "fp8_narrow": {f"{g}.tile_n": 128 for g in FP8_GEMMS},
                    # a tail unit (tokens in its M tile's first half only) loads all of A in every forward
                    # and dgrad GEMM, as every unit does, where the default loads half
-                   "fp8_full_tail": {f"{g}.half_tail": 0 for g in ("gemm_gateup_fp8", "gemm_down_fp8", "bwd_recompute_fp8",
-                                                                   "bwd_dgrad_down_fp8", "bwd_dgrad_gateup_fp8")}}
+                   "fp8_full_tail": {f"{g}.half_tail": 0 for g in FP8_GEMMS}}
 BUILDS = [None, *FP8_EXPERIMENTS]
 
 

@@ -112,7 +112,8 @@ def half_tail(name: str, tiles: int, overrides: dict) -> bool:
     if want not in (0, 1):
         raise_plan_error(f"override {key} must be 0 or 1, got {want}")
     if want and tiles != FP8_WIDE_B_TILES:
-        raise_plan_error(f"override {key}: only wide tiles ({name}.tile_n {FP8_WIDE_B_TILES * FP8_TILE_N}) load half of A")
+        raise_plan_error(f"override {key}: only wide tiles ({name}.tile_n {FP8_WIDE_B_TILES * FP8_TILE_N}) "
+                         "load half of A")
     if want and debug:  # (the debug stall sits in the full-tile load)
         raise_plan_error(f"override {key} does not combine with {name}.debug_break")
     return bool(want)
