@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
         tests/test_fp8_gpu.py::test_fp8_over_two_gpus_golden 2>&1 | tee "$OUT/twogpu-tests.log" | tail -4
       R="timeout 150 python3 -m torch.distributed.run --nproc-per-node=2"
       $R benchmarks/ep_bench.py --tokens 4096,8192 --backward --json "$OUT/ep.json" 2>&1 | tail -16 | tee "$OUT/twogpu.log"
-      $R benchmarks/multinode_bench.py --fp8 --json "$OUT/multinode.json" 2>&1 | tail -16 | tee -a "$OUT/twogpu.log"
+      $R benchmarks/multinode_bench.py --fp8 --json "$OUT/multinode.json" 2>&1 | tail -24 | tee -a "$OUT/twogpu.log"
       shift ;;
     anchor) timeout 400 python3 benchmarks/anchor_compare.py --json "$OUT/anchor.json" 2>&1 | tee "$OUT/anchor.log" | tail -16
       shift ;;

@@ -7,7 +7,10 @@ Two GPUs of one host as 2 nodes (tokens cross through NCCL, as between nodes) an
 rank; also the torch expert-parallel baseline. Times (CUDA events, warm-up, median, the
 slowest rank's) each layer, and the engine's all_to_all of the same row bytes alone: the rate
 the performance model (docs/multinode.md) is checked with. --fp8 also times the FP8 layer
-over the same 2 GPUs (mokgen.moe_fp8(..., group=): the same levels, each GPU's experts in FP8).
+over the same 2 GPUs (mokgen.moe_fp8(..., group=): the same levels, each GPU's experts in FP8),
+and its forward + backward through autograd (mokgen.moe_fp8_train(..., group=), the experts
+quantised once, as once per optimizer step) against the bf16 expert-parallel megakernel's and
+torch EP's forward + backward in the same run.
 """
 from __future__ import annotations
 
@@ -122,7 +125,43 @@ def main():
             if fp8 is not None:
                 print(f"   FP8 over 2 nodes x 1 GPU {fp8:.3f} ms ({fl / fp8 / 1e9:.0f} TF/s/GPU, {nodes / fp8:.2f}x the "
                       f"bf16 levels, {torch_ms / fp8:.2f}x torch EP)", flush=True)
+    if a.fp8:
+        for T in tokens:
+            rows.append(bench_fp8_train(T, E, K, H, I, max(tokens), (wg, wu, wd), experts, group, rank, g))
     finish(rank, a.json, rows)
+
+
+def bench_fp8_train(T, E, K, H, I, max_tokens, weights, experts, group, rank, g) -> dict:
+    """Forward + backward through autograd over the group's GPUs, parameter gradients reset each
+    call: the FP8 layer across nodes (one GPU each), the bf16 expert-parallel megakernel, torch
+    EP. FLOPs counted as 3x the forward's."""
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    w, ids = torch.topk(torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1), K, -1)
+    ids, w = ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float().requires_grad_(True)
+    dout = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    params = [t.clone().requires_grad_(True) for t in weights]
+    w13 = torch.cat(weights[:2], 1).requires_grad_(True)
+    wd_t = weights[2].clone().requires_grad_(True)
+
+    def step(fn, leaves):
+        for t in leaves:
+            t.grad = None
+        fn().backward(dout)
+
+    fp8 = timed(lambda: step(lambda: mokgen.moe_fp8_train(x, ids, w, *params, experts=experts, group=group,
+                                                          check_ids=False), [x, w, *params]))
+    bf16 = timed(lambda: step(lambda: mokgen.moe(x, ids, w, *params, group=group, max_tokens=max_tokens,
+                                                 check_ids=False), [x, w, *params]))
+    torch_ms = timed(lambda: step(lambda: torch_expert_parallel(x, ids, w, w13, wd_t, E, group), [x, w, w13, wd_t]))
+    fl = 3 * 6.0 * T * K * H * I
+    row = dict(tokens_per_rank=T, mode="forward+backward", fp8_two_nodes_ms=fp8, bf16_megakernel_ms=bf16,
+               torch_ep_ms=torch_ms, fp8_vs_bf16=bf16 / fp8, fp8_vs_torch=torch_ms / fp8,
+               fp8_tflops_per_gpu=fl / fp8 / 1e9)
+    if rank == 0:
+        print(f"T={T}/rank forward+backward  FP8 over 2 nodes x 1 GPU {fp8:.3f} ms ({fl / fp8 / 1e9:.0f} TF/s/GPU) | "
+              f"bf16 EP megakernel {bf16:.3f} ms ({bf16 / fp8:.2f}x of it) | torch EP {torch_ms:.3f} ms "
+              f"({torch_ms / fp8:.2f}x of it)", flush=True)
+    return row
 
 
 if __name__ == "__main__":

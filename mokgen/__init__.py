@@ -31,21 +31,21 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
 def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids=True, group=None):
     """The layer with FP8 experts (mokgen.fp8.quantize_experts): e4m3 with block scales, bf16 out;
     differentiable in x and topk_weights, the experts frozen; group= spreads the experts over
-    GPUs, forward only (see mokgen.runtime.moe_fp8)."""
+    GPUs, one per node (see mokgen.runtime.moe_fp8)."""
     from .runtime import moe_fp8 as _moe_fp8
 
     return _moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids, group=group)
 
 
 def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=None, check_ids=True,
-                  recompute=False):
+                  recompute=False, group=None):
     """The FP8 layer over bf16 master weights (quantised on each call, or once per optimizer step:
-    experts=quantize_experts_fp8(...)), differentiable in every input (see
-    mokgen.runtime.moe_fp8_train)."""
+    experts=quantize_experts_fp8(...)), differentiable in every input; group= spreads the experts
+    over GPUs, one per node (see mokgen.runtime.moe_fp8_train)."""
     from .runtime import moe_fp8_train as _moe_fp8_train
 
     return _moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, experts=experts, check_ids=check_ids,
-                          recompute=recompute)
+                          recompute=recompute, group=group)
 
 
 def quantize_experts_fp8(w_gate, w_up, w_down, topk):

@@ -57,6 +57,18 @@ EMULATION_TOLERANCE = 1e-3
 # on H200; docs/fp8.md). The kernel's h is as close to the exact SwiGLU as the emulation's
 # (2.262% both). A wrong row or block is off by O(1).
 REQUANTIZED_TOLERANCE = 1e-2
+# The same bound for the output of fewer than FEW_TOKENS tokens drawn fresh on every run: a
+# token's output sums K x I values of h, and which of them land one e4m3 step away varies from
+# token to token, so one token's relative error spreads widely around the mean (measured on
+# H200 at E64 K8 H2048 I1024, one token: 2.6e-3 to 1.01e-2 over 8 draws; 513 or more tokens:
+# 4.2e-3 to 4.9e-3 over 26). A wrong row or block is still off by O(1).
+FEW_TOKENS = 64
+FEW_TOKENS_REQUANTIZED_TOLERANCE = 2e-2
+
+
+def requantized_tolerance(tokens: int) -> float:
+    """REQUANTIZED_TOLERANCE, or its bound for fewer than FEW_TOKENS tokens drawn fresh."""
+    return REQUANTIZED_TOLERANCE if tokens >= FEW_TOKENS else FEW_TOKENS_REQUANTIZED_TOLERANCE
 
 
 class FP8Error(ValueError):

@@ -136,15 +136,17 @@ class MoE(nn.Module):
     storage, or their version counters, which in-place updates such as load_state_dict and
     nn.init bump): so micro-batches that accumulate gradients between two optimizer steps
     quantise once. An update that neither steps a torch.optim optimizer nor bumps the counters
-    (writing through `.data` outside an optimizer) must be followed by requantize(). One GPU; a
-    shared expert runs in bf16 (torch matmuls) beside the FP8 experts; hidden and intermediate
-    sizes multiples of 128.
+    (writing through `.data` outside an optimizer) must be followed by requantize(). A shared
+    expert runs in bf16 (torch matmuls) beside the FP8 experts; hidden and intermediate sizes
+    multiples of 128.
 
-    Expert parallel (group: a process group of W ranks, one GPU each, linked by NVLink): the
-    module holds its rank's E/W experts (rank r: global experts r*E/W ...), the router and the
-    shared expert are replicated (their gradients are each rank's own: average them across
-    the group as for any replicated parameter). Every rank calls forward and backward of every
-    block together; max_tokens and recv_rows size the peer workspace (mokgen.moe says how).
+    Expert parallel (group: a process group of W ranks, one GPU each): the module holds its
+    rank's E/W experts (rank r: global experts r*E/W ...), the router and the shared expert
+    are replicated (their gradients are each rank's own: average them across the group as for
+    any replicated parameter). Every rank calls forward and backward of every block together.
+    bf16: the NVLink expert-parallel megakernel (the GPUs linked by NVLink); max_tokens and
+    recv_rows size its peer workspace (mokgen.moe says how). fp8: the FP8 layer across nodes,
+    one GPU per node, tokens crossing through NCCL (mokgen.moe_fp8_train(group=)).
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int, shared_intermediate: int = 0,
@@ -154,9 +156,6 @@ class MoE(nn.Module):
         super().__init__()
         from .ir import MoESpec
 
-        if dtype == "fp8" and group is not None:
-            raise ValueError("dtype='fp8' runs on one GPU: its expert-parallel forward (mokgen.moe_fp8(group=)) has "
-                             "no backward to train with; use dtype='bf16' with group=")
         world = 1
         if group is not None:
             import torch.distributed as dist
@@ -254,7 +253,7 @@ class MoE(nn.Module):
         from .runtime import moe_fp8_train
 
         out = moe_fp8_train(x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down,
-                            experts=self.fp8_experts(), check_ids=False, recompute=self.recompute)
+                            experts=self.fp8_experts(), check_ids=False, recompute=self.recompute, group=self.group)
         # (the shared expert in bf16 beside the FP8 experts: the SwiGLU MLP as dense torch matmuls)
         return out if shared is None else out + expert_ffn(x2, *shared)
 
@@ -284,10 +283,10 @@ class MoE(nn.Module):
         else:
             ids, weights = route_torch(logits, self.spec.topk, self.spec.renormalize)
         shared = (self.ws_gate, self.ws_up, self.ws_down) if self.ws_gate is not None else None
-        if self.group is not None:
-            out = self._forward_expert_parallel(x2, ids, weights, shared)
-        elif fp8:
+        if fp8:
             out = self._forward_fp8(x2, ids, weights, shared)
+        elif self.group is not None:
+            out = self._forward_expert_parallel(x2, ids, weights, shared)
         elif self.reference:
             out = experts_torch(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared)
         else:

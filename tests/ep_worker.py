@@ -63,10 +63,17 @@ def poison() -> None:
 def start_golden(E, H, I, S=0):
     """Under torchrun: (rank, world, the global experts' bf16 w_gate, w_up, w_down from one
     fresh seed every rank shares, the shared expert's ws_* (a dict, empty without one), a
-    generator of this rank's own inputs, the seed), the NCCL group made and the device set."""
+    generator of this rank's own inputs, the seed), the NCCL group made and the device set.
+    MOKGEN_TEST_RANKS_SHARE_GPU=1: every rank on GPU 0, the group over gloo (NCCL takes one rank
+    per GPU): for the layers whose ranks exchange rows through the group only (the FP8 layer
+    across nodes), where one GPU is all there is."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    if os.environ.get("MOKGEN_TEST_RANKS_SHARE_GPU") == "1":
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     seed = torch.tensor([random.SystemRandom().randrange(2**31)], device="cuda")
     dist.broadcast(seed, 0)  # one seed, fresh every run: every rank can rebuild every weight
     g = torch.Generator(device="cuda")

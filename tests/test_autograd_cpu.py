@@ -151,8 +151,6 @@ def test_fp8_module_keeps_its_quantised_experts_until_the_weights_change(monkeyp
     assert len(made) == 5
     with pytest.raises(SpecError, match="multiple of 128"):
         mokgen.MoE(1088, 128, 8, 2, dtype="fp8")
-    with pytest.raises(ValueError, match="one GPU"):
-        mokgen.MoE(256, 128, 8, 2, dtype="fp8", group=object())
     with pytest.raises(ValueError, match="dtype='fp8'"):
         mokgen.MoE(256, 128, 8, 2).fp8_experts()
 
@@ -177,3 +175,19 @@ def test_saved_shapes_are_the_buffers_and_the_tile_table_covers_every_row(spec):
         for name in ("ga", "gb", "pos", "row_token", "tile_expert", "counts"):
             assert tuple(fake[name]) == real[name], (T, name)
         assert real["tile_expert"][0] * plan["row_tile"] >= real["row_token"][0], T
+
+
+def test_the_package_entry_points_take_what_the_runtime_takes():
+    """mokgen.moe_fp8 and the other wrappers at the package's top pass every keyword of their
+    mokgen.runtime function through (a keyword added to one and not the other is a TypeError
+    at a user's first call)."""
+    import inspect
+
+    import mokgen
+    import mokgen.runtime as runtime
+
+    for name in ("moe_fp8", "moe_fp8_train", "quantize_experts_fp8", "moe_routed"):  # (route takes a spec)
+        top, inner = (inspect.signature(getattr(m, name)).parameters for m in (mokgen, runtime))
+        if any(p.kind == p.VAR_KEYWORD for p in top.values()):
+            continue
+        assert list(top) == list(inner), (name, list(top), list(inner))

@@ -538,6 +538,22 @@ def test_fp8_over_two_gpus_golden():
     run_workers("fp8_ep_worker.py", "FP8 EP golden: PASS")
 
 
+def test_fp8_over_two_ranks_sharing_one_gpu_golden():
+    """The same golden worker with both ranks on one GPU, their group over gloo: the levels'
+    exchanges, the FP8 layer across nodes under autograd and its collective error path,
+    checked where one GPU is all there is (tests/ep_worker.start_golden)."""
+    from mokgen.runtime import variants_root
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    spec = MoESpec(experts=32, topk=8, hidden=2048, intermediate=1024, dtype="fp8")
+    if not (variants_root() / spec.variant / "build").is_dir():
+        pytest.skip(f"{spec.variant} is not built (benchmarks/build_gpu_variants.py)")
+    from test_multinode_gpu import run_workers
+
+    run_workers("fp8_ep_worker.py", "FP8 EP golden: PASS", MOKGEN_TEST_RANKS_SHARE_GPU="1")
+
+
 def test_fp8_weight_gradients_of_the_last_experts_at_e256_h7168():
     """The weight gradients of the DeepSeek-V3 layer, whose gradient matrices together pass 2^31
     elements (each expert's is addressed from a 64-bit base): tokens routed to the last six

@@ -30,10 +30,11 @@ def test_two_nodes_of_one_gpu_golden():
     run_workers("multinode_worker.py", "MULTINODE golden: PASS")
 
 
-def run_workers(script: str, passed: str):
-    """tests/<script> on 2 GPUs under torchrun (NVLink multicast off); asserts it printed `passed`."""
+def run_workers(script: str, passed: str, **extra_env):
+    """tests/<script> on 2 GPUs under torchrun (NVLink multicast off; extra_env: more of the
+    workers' environment); asserts it printed `passed`."""
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", **extra_env)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                         str(root / "tests" / script)], env=env, capture_output=True, text=True, timeout=240, cwd=root)
     print(r.stdout[-6000:], r.stderr[-3000:])

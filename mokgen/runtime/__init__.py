@@ -185,17 +185,20 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group
     recomputing the forward's products; nothing is saved but the inputs): the experts are
     frozen (quantised weights have no gradient; mokgen.moe_fp8_train takes the bf16 weights).
 
-    group: expert parallelism over the process group's W GPUs, one GPU per node (forward only):
-    experts are this rank's E/W experts, topk_ids global; tokens cross between GPUs through
-    NCCL, each GPU runs the FP8 layer of its experts (docs/multinode.md's levels)."""
+    group: expert parallelism over the process group's W GPUs, one GPU per node: experts are
+    this rank's E/W experts, topk_ids global; tokens cross between GPUs through NCCL, each GPU
+    runs the FP8 layer of its experts (docs/multinode.md's levels). Collective: every rank
+    calls it, and under autograd every rank runs its backward (mokgen/runtime/rail.py)."""
     if group is not None:
-        import torch.distributed as dist
+        v, topk_ids, W = _fp8_group_call(x, topk_ids, topk_weights, experts, group)
+        E, two_i, H = experts.gate_up.values.shape
+        if _needs_grad(x, topk_weights):
+            from .rail import FP8NodeLayer, moe_over_rail
 
+            return moe_over_rail(x, topk_ids, topk_weights, None, None, None,
+                                 FP8NodeLayer(v, experts, weight_gradients=False), E * W, group, check_ids)
         from .multinode import moe_multinode
 
-        v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids=False)  # (ids are global here)
-        E, two_i, H = experts.gate_up.values.shape
-        W = dist.get_world_size(group)
         return moe_multinode(x, topk_ids, topk_weights, None, None, None, (E, topk_ids.shape[1], H, two_i // 2, 0),
                              group, W, check_ids, fp8_local=lambda xs, ids, w: v.forward_fp8(xs, ids, w, experts))
     v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids)
@@ -205,7 +208,7 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group
 
 
 def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=None, check_ids: bool = True,
-                  recompute: bool = False):
+                  recompute: bool = False, group=None):
     """The FP8 layer over bf16 master weights, for training: the experts are quantised on each
     call by the variant's kernels (the same bits as mokgen.fp8.quantize_experts, with the
     backward's transposed copies; a NaN or Inf weight gives NaN outputs, as in bf16), the forward and
@@ -220,7 +223,12 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
 
     Under autograd the forward saves the inputs and the gate/up products (the routed rows x 2I,
     bf16), which the backward reads; recompute=True saves only the inputs, and the backward
-    recomputes the products with one more FP8 GEMM (the same bits)."""
+    recomputes the products with one more FP8 GEMM (the same bits).
+
+    group: expert parallelism over the process group's W GPUs, one GPU per node, as
+    mokgen.moe_fp8(group=): w_gate, w_up, w_down (and experts) are this rank's E/W experts,
+    topk_ids global; their gradients are this rank's experts' (mokgen/runtime/rail.py).
+    Collective: every rank calls forward and backward."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_cuda:
         raise InputError(f"x must be a 2-d CUDA tensor [T, H], got "
                          f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
@@ -234,13 +242,39 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
         v = _fp8_variant(E, topk_ids.shape[1], H, I)
         with torch.no_grad():
             experts = v.quantize_experts_fp8(w_gate, w_up, w_down)
-    v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids, variant=v)
+    if group is None:
+        v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids, variant=v)
+    else:
+        v, topk_ids, W = _fp8_group_call(x, topk_ids, topk_weights, experts, group, variant=v)
     if experts.gate_up.values.shape[0] != E or experts.down.values.shape[1:] != (H, I):
         raise InputError(f"experts hold [E, H, I] = {list(experts.down.values.shape)}, the weights "
                          f"{[E, H, I]}: pass the experts quantised from these weights")
+    if group is not None:
+        if not _needs_grad(x, topk_weights, w_gate, w_up, w_down):
+            return moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids, group=group)
+        from .rail import FP8NodeLayer, moe_over_rail
+
+        return moe_over_rail(x, topk_ids, topk_weights, w_gate, w_up, w_down,
+                             FP8NodeLayer(v, experts, weight_gradients=True, recompute=recompute), E * W, group,
+                             check_ids)
     if _needs_grad(x, topk_weights, w_gate, w_up, w_down):
         return _MoEFP8Train.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, v, bool(recompute))
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
+
+
+def _fp8_group_call(x, topk_ids, topk_weights, experts, group, variant=None):
+    """_fp8_call for the FP8 layer over a process group (ids global: their range is checked
+    over the group, on the device, by the layer's first collective); also checks the sizes
+    over the group's W GPUs, one per node. Returns (variant, topk_ids as int32, W)."""
+    import torch.distributed as dist
+
+    from .multinode import levels_spec
+
+    v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids=False, variant=variant)
+    W = dist.get_world_size(group)
+    E, two_i, H = experts.gate_up.values.shape
+    levels_spec(E * W, topk_ids.shape[1], H, two_i // 2, W, W)
+    return v, topk_ids, W
 
 
 def _fp8_call(x, topk_ids, topk_weights, experts, check_ids: bool, variant=None):

@@ -46,11 +46,7 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
         raise InputError(f"nodes must be a positive integer that divides the group's {W} ranks, got {nodes!r}")
     if S:
         raise InputError("a shared expert is not generated across nodes yet: pass ws_* = None (or nodes=1)")
-    try:
-        spec = MoESpec(experts=E_local * W, topk=K, hidden=H, intermediate=I, world_size=W, topology="nvlink",
-                       nodes=nodes)
-    except SpecError as e:
-        raise InputError(f"these shapes cannot be generated over {nodes} nodes: {e}") from None
+    spec = levels_spec(E_local * W, K, H, I, W, nodes)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (x, topk_weights, w_gate, w_up, w_down)):
         raise NotImplementedError("the layer over several nodes has no backward yet: call it under torch.no_grad()")
@@ -73,7 +69,7 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
             return v.forward(xs, ids, w, *weights, peers=peers)
     node, En = rank // G, spec.node_experts
     rail, inside = level_groups(group, nodes, G)
-    T, dev = x.shape[0], x.device
+    dev = x.device
 
     # Level 1: each token once to every other node one of its experts is on, over the rail (to
     # the GPU of the same local index there); send order: destination node, then token.
@@ -82,16 +78,7 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     # Bad input on any rank is found on the device and read with the sizes, so every rank
     # raises at the same point (one rank raising alone would leave the others waiting in the
     # engine or in the node-local megakernel).
-    valid = (topk_ids >= 0) & (topk_ids < spec.experts)
-    bad = ((topk_ids < EMPTY) | (topk_ids >= spec.experts)).any()
-    if check_ids:
-        bad = bad | ~torch.isfinite(x).all()
-    node_of = torch.where(valid, topk_ids.long() // En, nodes)  # [T, K]; `nodes` for an empty or bad slot
-    goes = torch.zeros(T, nodes + 1, dtype=torch.bool, device=dev)
-    goes.scatter_(1, node_of, True)
-    goes = goes[:, :nodes]
-    goes[:, node] = False
-    mine = torch.cat([goes.sum(0), torch.full((1,), T, dtype=torch.int64, device=dev), bad.long().view(1)])
+    node_of, goes, mine = route_to_nodes(x, topk_ids, spec.experts, nodes, node, En, check_ids)
     main = torch.cuda.current_stream(dev)
     key = (getattr(group, "group_name", id(group)), dev)
     if key not in _STREAMS:
@@ -102,11 +89,11 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     counted = torch.cuda.Event()
     counted.record(main)
     side.wait_event(counted)
-    table = torch.empty(W, mine.numel(), dtype=mine.dtype, device=dev)
+    table = torch.empty(W * mine.numel(), dtype=mine.dtype, device=dev)  # (flat: NCCL and gloo both take it)
     host = _host_buffer(table.numel())
     with torch.cuda.stream(side):
         dist.all_gather_into_tensor(table, mine, group=group)
-        host.copy_(table.view(-1), non_blocking=True)
+        host.copy_(table, non_blocking=True)
         read = torch.cuda.Event()
         read.record(side)
     for t in (mine, table):
@@ -115,11 +102,7 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     own_sum = layer(x, own_ids, topk_weights) if G == 1 else None
     read.synchronize()
     levels = read_levels(host.tolist(), nodes, G, rank)  # (the host read)
-    if levels["bad_ranks"]:
-        raise InputError(f"topk_ids outside [0, {spec.experts}) and not -1" + (" or x with NaN or Inf" if check_ids
-                                                                               else "") +
-                         f" on rank(s) {levels['bad_ranks']} of the group: nothing was computed (every rank raises "
-                         "this)")
+    raise_bad_input(levels, spec.experts, check_ids)
     sc, rc = levels["sent"], levels["received"]
     peers = None
     if G > 1:  # the node's megakernel: one workspace per node, grown together by its GPUs
@@ -135,9 +118,7 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
         dest, tok = torch.nonzero_static(goes.t(), size=S_rows).unbind(1)  # sorted by node, then token
         if nodes > 1:
             send_x = x[tok]
-            on_dest = node_of[tok] == dest[:, None]
-            send_slots = torch.cat([torch.where(on_dest, topk_ids[tok] - (dest[:, None] * En).int(), EMPTY),
-                                    topk_weights[tok].view(torch.int32)], 1)
+            send_slots = slots_on(dest, tok, node_of, topk_ids, topk_weights, En)
             dist.all_to_all_single(recv_x, send_x, rc, sc, group=rail)
             dist.all_to_all_single(recv_slots, send_slots, rc, sc, group=rail)
     for t in (goes, node_of, recv_x, recv_slots, x, topk_ids, topk_weights):
@@ -159,16 +140,70 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
     back = torch.empty(S_rows, H, dtype=torch.bfloat16, device=dev)
     if nodes > 1:
         dist.all_to_all_single(back, arrived, sc, rc, group=rail)
-    acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
+    return sum_over_nodes(own_sum, back, tok, sc, node).to(torch.bfloat16)
+
+
+def levels_spec(E: int, K: int, H: int, I: int, W: int, nodes: int) -> MoESpec:
+    """The spec of the layer over `nodes` nodes of the group's W GPUs (E experts in all), or the
+    caller's InputError naming the size the hardware or the generator cannot take."""
+    try:
+        return MoESpec(experts=E, topk=K, hidden=H, intermediate=I, world_size=W, topology="nvlink", nodes=nodes)
+    except SpecError as e:
+        raise InputError(f"these shapes cannot be generated over {nodes} nodes: {e}") from None
+
+
+def route_to_nodes(x, topk_ids, experts: int, nodes: int, node: int, node_experts: int, check_ids: bool):
+    """Where this rank's tokens go (its node `node`, node_experts experts per node):
+    (node_of [T, K]: each slot's node, `nodes` for an empty or bad slot; goes [T, nodes]: the
+    token has a slot on that node, False on its own; mine: its row of the gathered table, the
+    rows it sends to each node, its tokens, and whether its input is bad (an id outside
+    [0, experts) and not -1; with check_ids, a NaN or Inf in x too))."""
+    T, dev = x.shape[0], x.device
+    valid = (topk_ids >= 0) & (topk_ids < experts)
+    bad = ((topk_ids < EMPTY) | (topk_ids >= experts)).any()
+    if check_ids:
+        bad = bad | ~torch.isfinite(x).all()
+    node_of = torch.where(valid, topk_ids.long() // node_experts, nodes)
+    goes = torch.zeros(T, nodes + 1, dtype=torch.bool, device=dev)
+    goes.scatter_(1, node_of, True)
+    goes = goes[:, :nodes]
+    goes[:, node] = False
+    mine = torch.cat([goes.sum(0), torch.full((1,), T, dtype=torch.int64, device=dev), bad.long().view(1)])
+    return node_of, goes, mine
+
+
+def raise_bad_input(levels: dict, experts: int, check_ids: bool) -> None:
+    """The InputError every rank raises, at the same point, when any rank's input is bad."""
+    if levels["bad_ranks"]:
+        raise InputError(f"topk_ids outside [0, {experts}) and not -1" + (" or x with NaN or Inf" if check_ids
+                                                                          else "") +
+                         f" on rank(s) {levels['bad_ranks']} of the group: nothing was computed (every rank raises "
+                         "this)")
+
+
+def slots_on(dest, tok, node_of, topk_ids, topk_weights, node_experts: int) -> torch.Tensor:
+    """The slots of the rows sent (token tok[i] to node dest[i]) as that node reads them: [rows,
+    2K] int32, the ids node-local (-1, an empty slot, for the other nodes' experts) and the
+    weights' fp32 bits."""
+    on_dest = node_of[tok] == dest[:, None]
+    return torch.cat([torch.where(on_dest, topk_ids[tok] - (dest[:, None] * node_experts).int(), EMPTY),
+                      topk_weights[tok].view(torch.int32)], 1)
+
+
+def sum_over_nodes(own: torch.Tensor, back: torch.Tensor, tok: torch.Tensor, sent: list, node: int) -> torch.Tensor:
+    """fp32 [T, ...]: own (this node's part of each token) plus the rows that came back (back[i]
+    for token tok[i], in send order: destination node, then token), summed in node order, the
+    same order on every call (deterministic)."""
+    acc = torch.zeros(own.shape, dtype=torch.float32, device=own.device)
     start = 0
-    for m in range(nodes):
+    for m in range(len(sent)):
         if m == node:
-            acc += own_sum.float()
-        elif sc[m]:
-            rows = tok[start:start + sc[m]]  # distinct tokens: a deterministic update
-            acc[rows] = acc[rows] + back[start:start + sc[m]].float()
-        start += sc[m]  # (sc[node] is 0: no row goes to its own node)
-    return acc.to(torch.bfloat16)
+            acc += own.float()
+        elif sent[m]:
+            rows = tok[start:start + sent[m]]  # distinct tokens: a deterministic update
+            acc[rows] = acc[rows] + back[start:start + sent[m]].float()
+        start += sent[m]  # (sent[node] is 0: no row goes to its own node)
+    return acc
 
 
 def _host_buffer(n: int) -> torch.Tensor:
