@@ -113,9 +113,16 @@ def test_the_fp8_spec_plans_its_forward(tmp_path):
     assert buffers["x_rows_q"].dtype == "e4m3" and buffers["x_rows_q"].shape[0] == buffers["y"].shape[0]
     bound = {a.tensor for k in plan.kernels for a in k.args}
     assert {"w13_q", "w13_scales", "w_down_q", "w_down_scales", "x", "topk_ids", "topk_weights", "out"} <= bound
-    with pytest.raises(PlanError, match="one GPU first"):
+    with pytest.raises(PlanError, match="one per node.*--nodes 2"):
         make_plan(MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8", world_size=2,
                           topology="nvlink"))
+    # over 2 GPUs, one per node: the node-local layer is the one-GPU FP8 variant of each GPU's experts
+    r = subprocess.run([sys.executable, "-m", "mokgen.cli", "build", "--dtype", "fp8", "--world-size", "2",
+                        "--topology", "nvlink", "--nodes", "2", "--no-compile", "--out", str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "e32_k8_h2048_i1024_fp8_sm90a" / "gemm_down_fp8.py").exists()
+    assert (tmp_path / "e64_k8_h2048_i1024_fp8_w2nvlink_n2_sm90a" / "hierarchy.json").exists()
     r = subprocess.run([sys.executable, "-m", "mokgen.cli", "build", "--dtype", "fp8", "--no-compile", "--out",
                         str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0 and (tmp_path / s.variant / "gemm_down_fp8.py").exists(), r.stderr

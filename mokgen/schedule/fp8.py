@@ -190,7 +190,9 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     from .plan import PLAN_FORMAT, KernelArg, KernelPlan, Plan, PlanError
 
     if spec.world_size > 1:
-        raise PlanError(f"{spec.variant}: FP8 over several GPUs is not generated yet (one GPU first)")
+        raise PlanError(f"{spec.variant}: an FP8 expert-parallel megakernel over {spec.topology} is not generated; "
+                        f"the FP8 layer spans {spec.world_size} GPUs one per node, tokens through NCCL: build it with "
+                        f"--nodes {spec.world_size} (mokgen.moe_fp8 / moe_fp8_train with group=)")
     if spec.shared_intermediate:
         raise PlanError(f"{spec.variant}: FP8 with a shared expert is not generated yet")
     overrides = dict(overrides or {})
