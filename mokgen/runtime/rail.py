@@ -23,6 +23,10 @@ moe_fp8_train, the rank's experts' weight gradients), and the arrived rows' dx a
 d_topk_weights come home in one exchange and are summed as in the forward: a slot's weight
 gradient is non-zero on its expert's node only, so that sum is exact.
 
+Every rank must run both: a rank that skips a call's backward (its loss not depending on the
+output) leaves the others waiting in the exchange until the process group's timeout (the
+`timeout` of init_process_group), as any collective does.
+
 The row exchanges run on the caller's stream (no overlap: a training step's forward and
 backward each wait for their rows anyway); the no-grad forward keeps multinode's overlap of the
 own tokens with the exchange. The code is device-agnostic (the CPU tests run it over gloo with
