@@ -183,7 +183,7 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
             impls["mokgen_graph"] = graph.replay
         for name, fn in impls.items():
             out = fn() if name != "mokgen_graph" else impls["mokgen"]()
-            err = rel_error(out, ref) if ref is not None else float("nan")
+            err = rel_error(out, ref) if ref is not None else None  # (no float64 reference at this size)
             if name == "torch_loop":
                 ms, joules, watts = time_ms(fn, 5, 10), None, None
             else:
@@ -194,7 +194,7 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
             path = variant.forward_entry(T) if name.startswith("mokgen") else None  # which forward path ran
             rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=err,
                              routing=routing, path=path, **st))
-            log(f"  {variant.name} T={T} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, rel_err {err:.2e}"
+            log(f"  {variant.name} T={T} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, rel_err {_err(err)}"
                 + (f", {st['sm_clock_mhz']} MHz" if "sm_clock_mhz" in st else "")
                 + (f", {st['joules']:.3f} J per call, {st['call_power_w']} W while the calls ran" if "joules" in st
                    else f", {st['power_w']} W" if "power_w" in st else ""))
@@ -258,17 +258,22 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
             st = gpu_state()
             if joules is not None:
                 st.update(joules=joules, call_power_w=round(watts))
-            worst = max(errs.values()) if errs else float("nan")
+            worst = max(errs.values()) if errs else None
             rows.append(dict(variant=variant.name, impl=name, T=T, ms=ms, tflops=flops / ms / 1e9, rel_err=worst,
                              grad_errors=errs, routing=routing, path="forward+backward", **st))
             log(f"  {variant.name} T={T} {name} fwd+bwd: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s, worst "
-                f"gradient rel_err {worst:.2e}" + (f", {st['sm_clock_mhz']} MHz" if "sm_clock_mhz" in st else "")
+                f"gradient rel_err {_err(worst)}" + (f", {st['sm_clock_mhz']} MHz" if "sm_clock_mhz" in st else "")
                 + (f", {st['call_power_w']} W while the calls ran" if "call_power_w" in st else ""))
         torch.cuda.empty_cache()
     base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
     for r in rows:
         r["speedup_vs_grouped_mm"] = base[r["T"]] / r["ms"] if r["T"] in base else None
     return rows
+
+
+def _err(err, width: int = 0) -> str:
+    """A relative error for the log and the table; "-" where no reference was computed (None)."""
+    return f"{'-' if err is None else format(err, '.1e' if width else '.2e'):>{width}}"
 
 
 def format_table(rows: list[dict], peak: float) -> str:
@@ -280,7 +285,7 @@ def format_table(rows: list[dict], peak: float) -> str:
     for r in rows:
         ratio = f"{r['speedup_vs_grouped_mm']:.2f}x" if r.get("speedup_vs_grouped_mm") else "-"
         lines.append(f"{r['variant']:34s} {r['T']:6d} {r['impl']:17s} {r['ms']:9.3f} {r['tflops']:8.1f} "
-                     f"{ratio:>9s} {100 * r['tflops'] / r.get('peak_tflops', peak):6.1f}% {r['rel_err']:8.1e} "
+                     f"{ratio:>9s} {100 * r['tflops'] / r.get('peak_tflops', peak):6.1f}% {_err(r['rel_err'], 8)} "
                      f"{r.get('sm_clock_mhz', '-'):>5} {r.get('call_power_w', r.get('power_w', '-')):>4} "
                      f"{format(r['joules'], '.3f') if 'joules' in r else '-':>7}")
     return "\n".join(lines)

@@ -57,6 +57,10 @@ def test_bench_table_gives_the_power_while_the_calls_ran():
     calls_line, board_line = format_table([row, board], peak=780.0).splitlines()[2:]
     assert calls_line.split()[-2:] == ["718", "0.191"]
     assert board_line.split()[-2:] == ["577", "-"]
+    assert calls_line.split()[7] == "3.0e-03"
+    # past the size of the float64 reference no error is computed: "-", not nan (None in the JSON)
+    unchecked = format_table([dict(row, rel_err=None)], peak=780.0).splitlines()[2]
+    assert unchecked.split()[7] == "-" and "nan" not in unchecked
 
 
 def test_stage_builds_copies_what_the_runtime_loads(tmp_path):
