@@ -743,3 +743,34 @@ def test_moe_module_in_fp8_is_the_fp8_layer_over_its_bf16_weights(shared, recomp
     for part in ("gate_up", "down", "gate_up_t", "down_t"):
         a, b = getattr(fresh, part), getattr(expect, part)
         assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8)) and torch.equal(a.scales, b.scales)
+
+
+def test_a_group_of_one_rank_is_the_one_gpu_fp8_layer():
+    """moe_fp8(group=) and moe_fp8_train(group=) over a process group of one rank: the one-GPU
+    layer, output and every gradient bit for bit (no spec over one node of one GPU is needed)."""
+    import socket
+
+    import torch.distributed as dist
+
+    import mokgen
+    from mokgen.fp8 import quantize_experts
+
+    shape = FP8_SHAPES[0]
+    _, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, 300, "uniform", 300)
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        res = []
+        for grp in (None, dist.group.WORLD):
+            leaves = [t.clone().requires_grad_() for t in (x, w, wg, wu, wd)]
+            out = mokgen.moe_fp8_train(leaves[0], ids, leaves[1], *leaves[2:], group=grp)
+            out.backward(dout)
+            with torch.no_grad():
+                plain = mokgen.moe_fp8(x, ids, w, quantize_experts(wg, wu, wd), group=grp)
+            res.append([out.detach(), plain] + [t.grad for t in leaves])
+        assert all(torch.equal(a, b) for a, b in zip(*res))
+    finally:
+        dist.destroy_process_group()

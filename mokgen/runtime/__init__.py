@@ -188,7 +188,9 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group
     group: expert parallelism over the process group's W GPUs, one GPU per node: experts are
     this rank's E/W experts, topk_ids global; tokens cross between GPUs through NCCL, each GPU
     runs the FP8 layer of its experts (docs/multinode.md's levels). Collective: every rank
-    calls it, and under autograd every rank runs its backward (mokgen/runtime/rail.py)."""
+    calls it, and under autograd every rank runs its backward (mokgen/runtime/rail.py). A group
+    of one rank is the one-GPU layer."""
+    group = _several(group)
     if group is not None:
         v, topk_ids, W = _fp8_group_call(x, topk_ids, topk_weights, experts, group)
         E, two_i, H = experts.gate_up.values.shape
@@ -228,7 +230,8 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
     group: expert parallelism over the process group's W GPUs, one GPU per node, as
     mokgen.moe_fp8(group=): w_gate, w_up, w_down (and experts) are this rank's E/W experts,
     topk_ids global; their gradients are this rank's experts' (mokgen/runtime/rail.py).
-    Collective: every rank calls forward and backward."""
+    Collective: every rank calls forward and backward. A group of one rank is the one-GPU layer."""
+    group = _several(group)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_cuda:
         raise InputError(f"x must be a 2-d CUDA tensor [T, H], got "
                          f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
@@ -260,6 +263,15 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
     if _needs_grad(x, topk_weights, w_gate, w_up, w_down):
         return _MoEFP8Train.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, v, bool(recompute))
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
+
+
+def _several(group):
+    """group, or None where it has one rank (its layer is the one-GPU layer: no rows cross)."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def _fp8_group_call(x, topk_ids, topk_weights, experts, group, variant=None):
