@@ -748,9 +748,8 @@ def test_moe_module_in_fp8_is_the_fp8_layer_over_its_bf16_weights(shared, recomp
 def test_a_group_of_one_rank_is_the_one_gpu_fp8_layer():
     """moe_fp8(group=) and moe_fp8_train(group=) over a process group of one rank: the one-GPU
     layer, output and every gradient bit for bit (no spec over one node of one GPU is needed)."""
-    import socket
-
     import torch.distributed as dist
+    from test_rendezvous_cpu import free_port
 
     import mokgen
     from mokgen.fp8 import quantize_experts
@@ -758,10 +757,7 @@ def test_a_group_of_one_rank_is_the_one_gpu_fp8_layer():
     shape = FP8_SHAPES[0]
     _, (x, ids, w, wg, wu, wd, _), _, g = routed_case(shape, 300, "uniform", 300)
     dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         res = []
         for grp in (None, dist.group.WORLD):

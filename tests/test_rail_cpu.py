@@ -8,19 +8,13 @@ token's part from each node is rounded to bf16 before the sum over nodes (as the
 round theirs), and every expert's rows stay within one 128-row quantisation block of the
 weight gradients, so a block's scales are the same in either order of its rows.
 """
-import socket
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_rendezvous_cpu import free_port  # noqa: E402
+
 E, K, H, I, W = 4, 2, 128, 256, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmulatedNodeLayer:
@@ -57,15 +51,11 @@ def routing(T, kind, gen):
     return ids, torch.softmax(torch.randn(T, K, generator=gen), -1)
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def worker(rank: int, port: int, results):
     import torch.distributed as dist
 
     from mokgen.fp8 import moe_fp8_backward_emulated, moe_fp8_emulated, quantize_experts
+    from mokgen.reference import rel_error as rel
     from mokgen.runtime import InputError
     from mokgen.runtime.rail import moe_over_rail
 

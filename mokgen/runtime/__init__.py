@@ -193,16 +193,13 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group
     group = _several(group)
     if group is not None:
         v, topk_ids, W = _fp8_group_call(x, topk_ids, topk_weights, experts, group)
-        E, two_i, H = experts.gate_up.values.shape
+        E = experts.gate_up.values.shape[0]
         if _needs_grad(x, topk_weights):
             from .rail import FP8NodeLayer, moe_over_rail
 
             return moe_over_rail(x, topk_ids, topk_weights, None, None, None,
                                  FP8NodeLayer(v, experts, weight_gradients=False), E * W, group, check_ids)
-        from .multinode import moe_multinode
-
-        return moe_multinode(x, topk_ids, topk_weights, None, None, None, (E, topk_ids.shape[1], H, two_i // 2, 0),
-                             group, W, check_ids, fp8_local=lambda xs, ids, w: v.forward_fp8(xs, ids, w, experts))
+        return _fp8_over_nodes(x, topk_ids, topk_weights, experts, v, group, W, check_ids)
     v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids)
     if _needs_grad(x, topk_weights):
         return _MoEFP8.apply(x, topk_weights, topk_ids, experts, v)
@@ -254,7 +251,7 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
                          f"{[E, H, I]}: pass the experts quantised from these weights")
     if group is not None:
         if not _needs_grad(x, topk_weights, w_gate, w_up, w_down):
-            return moe_fp8(x, topk_ids, topk_weights, experts, check_ids=check_ids, group=group)
+            return _fp8_over_nodes(x, topk_ids, topk_weights, experts, v, group, W, check_ids)
         from .rail import FP8NodeLayer, moe_over_rail
 
         return moe_over_rail(x, topk_ids, topk_weights, w_gate, w_up, w_down,
@@ -263,6 +260,17 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
     if _needs_grad(x, topk_weights, w_gate, w_up, w_down):
         return _MoEFP8Train.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, v, bool(recompute))
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
+
+
+def _fp8_over_nodes(x, topk_ids, topk_weights, experts, v, group, W: int, check_ids: bool):
+    """The FP8 layer's no-grad forward over the group's W GPUs, one per node (checked inputs,
+    v the node-local variant): docs/multinode.md's levels, the own tokens overlapping the
+    exchange."""
+    from .multinode import moe_multinode
+
+    E, two_i, H = experts.gate_up.values.shape
+    return moe_multinode(x, topk_ids, topk_weights, None, None, None, (E, topk_ids.shape[1], H, two_i // 2, 0),
+                         group, W, check_ids, fp8_local=lambda xs, ids, w: v.forward_fp8(xs, ids, w, experts))
 
 
 def _several(group):

@@ -98,7 +98,7 @@ def moe_multinode(x, topk_ids, topk_weights, w_gate, w_up, w_down, sizes, group,
         read.record(side)
     for t in (mine, table):
         t.record_stream(side)
-    own_ids = torch.where(node_of == node, topk_ids - node * En, EMPTY).to(torch.int32)
+    own_ids = own_slots(node_of, topk_ids, node, En)
     own_sum = layer(x, own_ids, topk_weights) if G == 1 else None
     read.synchronize()
     levels = read_levels(host.tolist(), nodes, G, rank)  # (the host read)
@@ -179,6 +179,12 @@ def raise_bad_input(levels: dict, experts: int, check_ids: bool) -> None:
                                                                           else "") +
                          f" on rank(s) {levels['bad_ranks']} of the group: nothing was computed (every rank raises "
                          "this)")
+
+
+def own_slots(node_of, topk_ids, node: int, node_experts: int) -> torch.Tensor:
+    """This rank's tokens' ids as its own node reads them: int32 [T, K], node-local, the other
+    nodes' slots empty (-1)."""
+    return torch.where(node_of == node, topk_ids - node * node_experts, EMPTY).to(torch.int32)
 
 
 def slots_on(dest, tok, node_of, topk_ids, topk_weights, node_experts: int) -> torch.Tensor:

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schedule.plan import EMPTY_ID as EMPTY
-from .multinode import level_groups, raise_bad_input, read_levels, route_to_nodes, slots_on, sum_over_nodes
+from .multinode import (level_groups, own_slots, raise_bad_input, read_levels, route_to_nodes, slots_on,
+                        sum_over_nodes)
 
 
 @dataclass
@@ -74,12 +74,13 @@ class Crossing:
         dest, tok = torch.nonzero_static(goes.t(), size=sum(levels["sent"])).unbind(1)  # by node, then token
         return cls(rail, rank, En, x.shape[0], tok, dest, node_of, levels["sent"], levels["received"])
 
-    def there(self, rows: torch.Tensor) -> torch.Tensor:
+    def there(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows in send order ([sum(sent), ...]) to their nodes: the rows that arrive here
-        ([sum(received), ...], by source node, then token)."""
+        ([sum(received), ...], by source node, then token; into out where given)."""
         import torch.distributed as dist
 
-        out = rows.new_empty((sum(self.received),) + tuple(rows.shape[1:]))
+        if out is None:
+            out = rows.new_empty((sum(self.received),) + tuple(rows.shape[1:]))
         if self.group is not None:
             dist.all_to_all_single(out, rows.contiguous(), self.received, self.sent, group=self.group)
         return out
@@ -93,14 +94,22 @@ class Crossing:
             dist.all_to_all_single(out, rows.contiguous(), self.sent, self.received, group=self.group)
         return out
 
+    def own_then_arrived(self, rows: torch.Tensor) -> torch.Tensor:
+        """[T + sum(received), ...]: this rank's rows, then those the other ranks send for
+        theirs (rows[tok] from each), in one buffer the exchange writes its part of."""
+        T = self.tokens
+        out = rows.new_empty((T + sum(self.received),) + tuple(rows.shape[1:]))
+        out[:T] = rows
+        self.there(rows[self.tok], out=out[T:])
+        return out
+
     def local_rows(self, x, topk_ids, topk_weights):
         """(rows, ids, weights) of the node-local call: this rank's T tokens (ids node-local,
         the other nodes' slots empty), then the rows that arrived with their slots."""
         K = topk_ids.shape[1]
-        own_ids = torch.where(self.node_of == self.node, topk_ids - self.node * self.node_experts,
-                              EMPTY).to(torch.int32)
+        own_ids = own_slots(self.node_of, topk_ids, self.node, self.node_experts)
         slots = self.there(slots_on(self.dest, self.tok, self.node_of, topk_ids, topk_weights, self.node_experts))
-        return (torch.cat([x, self.there(x[self.tok])]), torch.cat([own_ids, slots[:, :K]]),
+        return (self.own_then_arrived(x), torch.cat([own_ids, slots[:, :K]]),
                 torch.cat([topk_weights, slots[:, K:].contiguous().view(torch.float32)]))
 
     def sum_home(self, rows: torch.Tensor) -> torch.Tensor:
@@ -161,7 +170,7 @@ class _FP8OverRail(torch.autograd.Function):
         c = ctx.crossing
         T, H = c.tokens, rows.shape[1]
         dout = dout.to(torch.bfloat16).contiguous()
-        g = ctx.layer.backward(torch.cat([dout, c.there(dout[c.tok])]), rows, ids, weights, saved)
+        g = ctx.layer.backward(c.own_then_arrived(dout), rows, ids, weights, saved)
         # the arrived rows' dx and d_topk_weights home in one exchange (the fp32 weights as bf16 pairs)
         back = c.home(torch.cat([g["dx"][T:], g["d_topk_weights"][T:].contiguous().view(torch.bfloat16)], 1))
         dx = sum_over_nodes(g["dx"][:T], back[:, :H], c.tok, c.sent, c.node).to(torch.bfloat16)
