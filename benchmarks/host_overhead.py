@@ -1,9 +1,10 @@
 """Host time of one forward call, apart from the GPU's: is a small eager call host-bound?
 
-    python benchmarks/host_overhead.py [--variant V] [--tokens T,T,...] [--calls N] [--profile]
+    python benchmarks/host_overhead.py [--variant V] [--tokens T,T,...] [--calls N] [--rounds R] [--train] [--profile]
 
 For each T: the GPU time (CUDA-graph replay), the eager time (CUDA events around calls made
-back to back, as `mokgen bench` times them), and the host time per call measured while the GPU
+back to back, as `mokgen bench` times them), the wall-clock time per call of calls made back to
+back (the larger of host and GPU time), and the host time per call measured while the GPU
 is held busy by a sleep kernel (so no call ever waits for the GPU: what the wall clock shows is
 the host's own work). An eager call is host-bound when its host time exceeds its GPU time.
 The host figure is an upper bound: launches queued behind the sleep kernel cost the host more
@@ -13,12 +14,18 @@ their graph replays, while this probe gave more host time per call than that).
 profiler's table of what one eager call puts on the GPU (kernels, copies) and for how long.
 Callers timed: `variant.forward` (the runtime, no checks) and `mokgen.moe(..., check_ids=False)`
 (the public entry: input checks, variant lookup).
+
+--train times a training step instead (forward under autograd, then torch.autograd.grad of
+x, topk_weights and the three weights): through `mokgen.moe` (the eager binding,
+runtime/eager.py) and through the variant's torch custom op (`ops.forward_train`, what
+torch.compile traces), whose dispatch the eager binding avoids.
 """
 import argparse
 import cProfile
 import io
 import json
 import pstats
+import statistics
 import time
 
 import torch
@@ -32,6 +39,8 @@ ap.add_argument("--variant", default="e64_k8_h2048_i1024_bf16_sm90a")
 ap.add_argument("--tokens", default="64,256,1024")
 ap.add_argument("--calls", type=int, default=200)
 ap.add_argument("--profile", action="store_true")
+ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every caller (the median is shown)")
+ap.add_argument("--train", action="store_true", help="time a training step (forward + backward)")
 ap.add_argument("--json")
 args = ap.parse_args()
 
@@ -56,23 +65,58 @@ def host_us(fn, calls: int, profiler=None) -> float:
     return (t1 - t0) / calls * 1e6
 
 
+def wall_ms(fn, calls: int) -> float:
+    """Milliseconds per call of calls made back to back, from the wall clock: the larger of
+    the host's and the GPU's time per call."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
 for i, T in enumerate(int(t) for t in args.tokens.split(",")):
     x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, T, "uniform", torch.Generator("cuda").manual_seed(T))
     calls = {
         "variant.forward": lambda: v.forward(x, ids, w, wg, wu, wd, *shared),
         "mokgen.moe": lambda: mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False),
     }
-    graph = _capture(calls["variant.forward"])
+    if args.train:
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+        dout = torch.randn_like(x)
+
+        def step(layer):
+            out = layer(leaves[0], ids, *leaves[1:])
+            return torch.autograd.grad(out, leaves, dout)
+
+        calls = {
+            "step, mokgen.moe": lambda: step(lambda *a: mokgen.moe(*a, check_ids=False)),
+            "step, custom op": lambda: step(lambda *a: v.ops.forward_train(*a)[0]),
+        }
+        same = [torch.equal(a, b) for a, b in zip(*(fn() for fn in calls.values()))]
+        print(f"T={T}: the two steps' gradients equal bit for bit: {all(same)}", flush=True)
+    graph = _capture(next(iter(calls.values())))
     gpu_ms = time_ms(graph.replay) if graph is not None else float("nan")
+    # The callers in interleaved rounds, the median kept (one round's figures drift with the
+    # clock and the host's other work). The host probe's calls stay few: a step makes ~30
+    # launches, and more than the GPU's launch queue holds would make the host wait for the
+    # sleep kernel.
+    host_calls = min(args.calls, 24) if args.train else args.calls
+    got = {name: [] for name in calls}
+    for r in range(args.rounds):
+        for name, fn in calls.items():
+            fn()
+            got[name].append((time_ms(fn), wall_ms(fn, args.calls), host_us(fn, host_calls)))
     for name, fn in calls.items():
-        fn()
-        eager_ms = time_ms(fn)
-        prof = cProfile.Profile() if args.profile and i == 0 else None
-        host = host_us(fn, args.calls, prof)
-        rows.append(dict(variant=v.name, T=T, caller=name, graph_ms=gpu_ms, eager_ms=eager_ms, host_us=host))
-        print(f"T={T:6d} {name:16s} graph {gpu_ms:.3f} ms  eager {eager_ms:.3f} ms  host {host:7.1f} us/call"
-              + ("  (host-bound)" if host / 1e3 > gpu_ms else ""), flush=True)
-        if prof:
+        eager_ms, wall, host = (statistics.median(f[j] for f in got[name]) for j in range(3))
+        rows.append(dict(variant=v.name, T=T, caller=name, graph_ms=gpu_ms, eager_ms=eager_ms, wall_ms=wall,
+                         host_us=host))
+        print(f"T={T:6d} {name:16s} graph {gpu_ms:.3f} ms  eager {eager_ms:.3f} ms  back to back {wall:.3f} ms"
+              f"  host {host:7.1f} us/call" + ("  (host-bound)" if host / 1e3 > gpu_ms else ""), flush=True)
+        if args.profile and i == 0:
+            prof = cProfile.Profile()
+            host_us(fn, host_calls, prof)
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
             print(s.getvalue())

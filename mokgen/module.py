@@ -273,8 +273,8 @@ class MoE(nn.Module):
                 self._routed_ops = find_variant(s.experts, s.topk, s.hidden, s.intermediate, s.shared_intermediate,
                                                 renormalize=s.renormalize).ops
             shared = (self.ws_gate, self.ws_up, self.ws_down) if self.ws_gate is not None else (None, None, None)
-            out = self._routed_ops.forward_routed(x2.contiguous(), logits.contiguous(), self.w_gate, self.w_up,
-                                                  self.w_down, *shared)[0]
+            out = self._routed_ops.routed(x2.contiguous(), logits.contiguous(), self.w_gate, self.w_up, self.w_down,
+                                          *shared)[0]
             return out.reshape(shape)
         if self.fused_routing and not self.reference:
             from .runtime import route
@@ -296,10 +296,7 @@ class MoE(nn.Module):
             # shapes and dtypes are the module's own.
             args = (x2.contiguous(), ids, weights.contiguous(), self.w_gate, self.w_up, self.w_down,
                     *(shared or (None, None, None)))
-            if torch.is_grad_enabled() and not self.recompute:
-                out = self._ops.forward_train(*args)[0]  # saves the SwiGLU inputs for the backward
-            else:
-                out = self._ops.forward(*args)
+            out = self._ops.layer(*args, recompute=self.recompute)
         return out.reshape(shape)
 
     def extra_repr(self) -> str:

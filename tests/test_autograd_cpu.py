@@ -191,3 +191,75 @@ def test_the_package_entry_points_take_what_the_runtime_takes():
         if any(p.kind == p.VAR_KEYWORD for p in top.values()):
             continue
         assert list(top) == list(inner), (name, list(top), list(inner))
+
+
+@pytest.mark.parametrize("mode", ["train", "recompute", "no_backward_saved", "no_grad"])
+def test_eager_layer_hands_each_gradient_to_its_input(mode):
+    """ops.layer in eager mode (runtime/eager.py, no custom op): the training forward's saved
+    tensors reach the backward (none with recompute, or where the Plan saves nothing), each
+    gradient the backward returns lands on its input, and without autograd the inference
+    forward runs alone."""
+    spec = MoESpec(experts=4, topk=2, hidden=128, intermediate=64, shared_intermediate=64)
+    ops = stand_in_ops(spec, f"eager_{mode}")
+    ga, gb = torch.randn(6, 3), torch.randn(6, 3)
+    calls = {}
+
+    class StandIn:
+        has_backward = mode != "no_backward_saved"
+
+        def forward(self, x, *rest):
+            calls["forward"] = True
+            return x * 2
+
+        def forward_train(self, x, *rest):
+            calls["forward_train"] = True
+            return x * 2, ga, gb
+
+        def backward(self, dout, x, ids, w, wg, wu, wd, sg, su, sd, saved=None):
+            calls["backward"] = saved
+            return (dout * 3, torch.full_like(w, 4.0), *(torch.full_like(t, 5.0 + i) for i, t in
+                                                         enumerate((wg, wu, wd, sg, su, sd))))
+
+    ops.variant = StandIn()
+    T, H, I, S = 5, spec.hidden, spec.intermediate, spec.shared_intermediate
+    x, w = torch.randn(T, H, requires_grad=True), torch.rand(T, 2, requires_grad=True)
+    weights = [torch.randn(*s, requires_grad=True) for s in ((4, I, H), (4, I, H), (4, H, I), (S, H), (S, H), (H, S))]
+    ids = torch.zeros(T, 2, dtype=torch.int32)
+    with torch.set_grad_enabled(mode != "no_grad"):
+        out = ops.layer(x, ids, w, *weights, recompute=mode == "recompute")
+    if mode == "no_grad":
+        assert calls == {"forward": True} and not out.requires_grad
+        return
+    assert ("forward_train" in calls) == (mode == "train") and ("forward" in calls) != (mode == "train")
+    out.backward(torch.ones_like(out))
+    saved = calls["backward"]
+    assert (saved is not None and [torch.equal(a, b) for a, b in zip(saved, (ga, gb))] == [True, True]) \
+        if mode == "train" else saved is None
+    assert torch.equal(x.grad, torch.full_like(x, 3.0)) and torch.equal(w.grad, torch.full_like(w, 4.0))
+    assert [float(p.grad.flatten()[0]) for p in weights] == [5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+
+
+def test_eager_route_hands_the_logits_their_gradient():
+    """ops.routing in eager mode: differentiable in the logits through the weights (the
+    route's backward gets the weights' gradient in fp32 and the ids route returned); without
+    autograd, the variant's route alone."""
+    ops = stand_in_ops(MoESpec(experts=4, topk=2, hidden=128, intermediate=64), "eager_route")
+    seen = {}
+
+    class StandIn:
+        def route(self, logits):
+            return torch.zeros(logits.shape[0], 2, dtype=torch.int32), logits[:, :2].softmax(-1)
+
+        def route_backward(self, logits, ids, d_weights):
+            seen["d_weights"] = (d_weights.dtype, ids.dtype)
+            return torch.full_like(logits, 7.0)
+
+    ops.variant = StandIn()
+    logits = torch.randn(3, 4, requires_grad=True)
+    ids, weights = ops.routing(logits)
+    assert not ids.requires_grad and weights.requires_grad
+    weights.sum().backward()
+    assert seen["d_weights"] == (torch.float32, torch.int32) and torch.equal(logits.grad, torch.full_like(logits, 7.0))
+    with torch.no_grad():
+        ids, weights = ops.routing(logits)
+    assert not weights.requires_grad

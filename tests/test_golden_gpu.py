@@ -717,6 +717,7 @@ def test_autograd_and_torch_compile(gen):
     ops = mokgen.load(spec_of(SHAPES[0])).ops  # the custom ops: one graph, no break
     compiled = autograd_grads(torch.compile(lambda *a: ops.forward_train(*a)[0], fullgraph=True), x, ids, w, wg, wu,
                               wd, dout)
+    through_op = autograd_grads(lambda *a: ops.forward_train(*a)[0], x, ids, w, wg, wu, wd, dout)  # eager, the op
     # The public function too (its host-side checks and lookup may break the graph).
     compiled_api = autograd_grads(torch.compile(mokgen.moe), x, ids, w, wg, wu, wd, dout)
     for name, r in ref.items():
@@ -724,6 +725,46 @@ def test_autograd_and_torch_compile(gen):
         assert torch.equal(recomputed[name], eager[name]), name
         assert torch.equal(compiled[name], eager[name]), name
         assert torch.equal(compiled_api[name], eager[name]), name
+        assert torch.equal(through_op[name], eager[name]), name
+
+
+def test_training_steps_keep_their_workspace_and_give_the_same_bits(gen):
+    """Small training calls keep their scratch buffers for the next call (the training
+    forward's and the backward's own slots) but never what the forward saves: two forwards
+    alive at once, their backwards run after both, give each step's bits from a fresh
+    workspace, in any order of routings; the kept buffers are the same ones call after call.
+    (E40 at T = 61: its backward's scratch fits KEEP_WORKSPACE_BYTES; E64's row buffers, padded
+    per expert, take 136 MB in the backward even at T = 64, and are allocated per call.)"""
+    import mokgen
+    from mokgen.runtime import find_variant
+
+    shape, T = next(s for s in SHAPES if s[0] == 40), 61
+    v = find_variant(*shape)  # (the build mokgen.moe calls: any of these sizes, with or without renormalisation)
+    steps = {r: make_inputs(shape, T, r, gen)[:6] for r in ("uniform", "skewed", "dropped")}
+    dout = torch.randn(T, shape[2], device="cuda", generator=gen).to(torch.bfloat16)
+
+    def fresh(r):
+        v._kept.clear()
+        return autograd_grads(mokgen.moe, *steps[r], dout)
+
+    want = {r: fresh(r) for r in steps}
+    v._kept.clear()
+    autograd_grads(mokgen.moe, *steps["uniform"], dout)
+    kinds = {slot[0] for slot in v._kept}
+    assert {"forward_train", "backward"} <= kinds, kinds
+    kept = {slot: {n: t.data_ptr() for n, t in k[1].items()} for slot, k in v._kept.items()}
+    assert not any(n in v.saved_names for ptrs in kept.values() for n in ptrs)
+    for r in ("dropped", "skewed", "uniform", "skewed"):
+        got = autograd_grads(mokgen.moe, *steps[r], dout)
+        assert all(torch.equal(got[k], want[r][k]) for k in got), r
+    leaves = {r: [t.clone().requires_grad_(True) for t in (a[0], a[2], *a[3:])] for r, a in steps.items()}
+    outs = {r: mokgen.moe(leaves[r][0], steps[r][1], *leaves[r][1:]) for r in ("skewed", "dropped")}
+    for r in ("dropped", "skewed"):  # (the second forward ran before the first backward)
+        outs[r].backward(dout)
+        got = dict(zip(("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"), (t.grad for t in leaves[r])))
+        assert all(torch.equal(got[k], want[r][k]) for k in got), r
+    assert {slot: {n: t.data_ptr() for n, t in k[1].items()} for slot, k in v._kept.items()} == kept
+    v.check_errors()
 
 
 def test_shared_expert_gradients_through_autograd(gen):

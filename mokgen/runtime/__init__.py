@@ -9,6 +9,7 @@ import torch
 
 from ..ir import MoESpec
 from .checks import InputError, check_ids_in_range, check_moe_inputs, check_tensor
+from .eager import needs_grad
 from .library import LaunchError
 from .peers import RendezvousTimeout
 from .variant import KernelTimeout, Variant, VariantNotBuilt
@@ -165,14 +166,7 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     v = _variant_for(E, K, H, I, S)
     if check_ids:
         check_ids_in_range(topk_ids, E, x)
-    training = _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    if training and not recompute and v.has_backward:
-        return v.ops.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)[0]
-    if not training and not torch.compiler.is_compiling():
-        # Nothing needs the torch op here (no autograd, no graph to trace): the variant itself,
-        # the same computation without the op's dispatch (27 us of host time per call on an H200).
-        return v.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    return v.ops.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    return v.ops.layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, recompute=recompute)
 
 
 def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group=None):
@@ -194,14 +188,14 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group
     if group is not None:
         v, topk_ids, W = _fp8_group_call(x, topk_ids, topk_weights, experts, group)
         E = experts.gate_up.values.shape[0]
-        if _needs_grad(x, topk_weights):
+        if needs_grad(x, topk_weights):
             from .rail import FP8NodeLayer, moe_over_rail
 
             return moe_over_rail(x, topk_ids, topk_weights, None, None, None,
                                  FP8NodeLayer(v, experts, weight_gradients=False), E * W, group, check_ids)
         return _fp8_over_nodes(x, topk_ids, topk_weights, experts, v, group, W, check_ids)
     v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids)
-    if _needs_grad(x, topk_weights):
+    if needs_grad(x, topk_weights):
         return _MoEFP8.apply(x, topk_weights, topk_ids, experts, v)
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
 
@@ -250,14 +244,14 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
         raise InputError(f"experts hold [E, H, I] = {list(experts.down.values.shape)}, the weights "
                          f"{[E, H, I]}: pass the experts quantised from these weights")
     if group is not None:
-        if not _needs_grad(x, topk_weights, w_gate, w_up, w_down):
+        if not needs_grad(x, topk_weights, w_gate, w_up, w_down):
             return _fp8_over_nodes(x, topk_ids, topk_weights, experts, v, group, W, check_ids)
         from .rail import FP8NodeLayer, moe_over_rail
 
         return moe_over_rail(x, topk_ids, topk_weights, w_gate, w_up, w_down,
                              FP8NodeLayer(v, experts, weight_gradients=True, recompute=recompute), E * W, group,
                              check_ids)
-    if _needs_grad(x, topk_weights, w_gate, w_up, w_down):
+    if needs_grad(x, topk_weights, w_gate, w_up, w_down):
         return _MoEFP8Train.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, v, bool(recompute))
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
 
@@ -423,11 +417,6 @@ class _MoEFP8Train(torch.autograd.Function):
                 *[w if ctx.needs_input_grad[2 + i] else None for i, w in enumerate(weights)], None, None, None, None)
 
 
-def _needs_grad(*params) -> bool:
-    """Whether autograd will ask for gradients of this call."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
-
-
 def _variant_for(E, K, H, I, S, world_size: int = 1, renormalize: bool | None = None) -> Variant:
     """find_variant, with a spec the sizes make illegal reported as the caller's InputError."""
     try:
@@ -454,7 +443,7 @@ def _moe_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gat
     if check_ids:
         check_ids_in_range(topk_ids, E_local * W, x)
     peers = workspace(v, group, x.shape[0], max_tokens, recv_rows)
-    if _needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+    if needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
         if not v.has_backward:
             raise NotImplementedError(f"{v.name}: the backward is not generated for this layer ({v.why_no_backward()})")
         saved = not recompute and "backward" in v.plan["steps"]
@@ -526,12 +515,12 @@ def moe_routed(x, router_logits, topk: int, w_gate, w_up, w_down, *, ws_gate=Non
     E_w, K, H, I, S = check_moe_inputs(x, ids_like, ids_like.float(), w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
     if E_w != E:
         raise InputError(f"router_logits route over {E} experts, the weights hold {E_w}")
-    if _needs_grad(x, router_logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+    if needs_grad(x, router_logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
         ids, weights = route(router_logits, topk, renormalize=renormalize)
         return moe(x, ids, weights, w_gate, w_up, w_down, ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down,
                    check_ids=False), ids, weights
     v = _variant_for(E, K, H, I, S, renormalize=renormalize)
-    return v.ops.forward_routed(x, router_logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    return v.ops.routed(x, router_logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
 
 def _check_logits(router_logits) -> None:
@@ -562,7 +551,7 @@ def route(router_logits, topk: int, *, renormalize: bool = False, variant: Varia
     elif variant.spec.experts != E or variant.spec.topk != topk:
         raise InputError(f"variant {variant.name} routes over {variant.spec.experts} experts, top-"
                          f"{variant.spec.topk}; got E={E}, topk={topk}")
-    return variant.ops.route(router_logits)
+    return variant.ops.routing(router_logits)
 
 
 def check_errors() -> None:

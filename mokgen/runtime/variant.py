@@ -25,6 +25,7 @@ from ..ir.graph import T as T_SYM
 from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS, OVERFLOW_KIND
 from ..schedule.plan import BAD_IDS_CODE, EP_SAVED_FOR_BACKWARD, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
 from .checks import InputError
+from .eager import Layer, Route, needs_grad
 from .library import Launcher, open_library
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
@@ -35,6 +36,8 @@ LIB_NAME = "libmokgen.so"
 # call) was the largest host item of a small eager call (docs/perf.md), while a large call's
 # buffers (hundreds of MB at T=16384) would stay out of the allocator's reach between calls.
 KEEP_WORKSPACE_BYTES = 64 << 20
+# Entries whose kept workspace has a slot of its own (Variant._workspace).
+_TRAINING_ENTRIES = ("forward_train", "backward", "backward_recompute")
 
 
 class VariantNotBuilt(RuntimeError):
@@ -235,46 +238,54 @@ class Variant:
         variant saves the SwiGLU inputs only (its backward lays out the rows again)."""
         return EP_SAVED_FOR_BACKWARD if self.expert_parallel else SAVED_FOR_BACKWARD
 
-    def _workspace(self, tokens: int, device, entry: str, peers=None, given=(), keep: bool = False) -> dict:
+    def _workspace(self, tokens: int, device, entry: str, peers=None, given=(), keep: bool = False,
+                   fresh=()) -> dict:
         """The entry's buffers: the per-call ones allocated at this T (expert parallel: and at
         the peer workspace's sizes) but those the caller gives, then the peer workspace's own.
-        keep (inference calls): a workspace of at most KEEP_WORKSPACE_BYTES is kept for the next
-        call of the same entry and T on the same device and stream, which stream order makes
-        safe (no kernel reads a per-call buffer before writing it; zero-initialised ones are
-        zeroed again): one for the calls with routing given and one for those from router
-        logits (the single launch's bands by T are several entries; a call at another T
-        replaces the kept one, whichever band it takes). Never while a CUDA graph is captured,
-        in poison or profiling mode."""
+        keep: a workspace of at most KEEP_WORKSPACE_BYTES is kept for the next call of the same
+        entry and T on the same device and stream, which stream order makes safe (no kernel
+        reads a per-call buffer before writing it; zero-initialised ones are zeroed again): one
+        for the forward calls with routing given, one for those from router logits (the single
+        launch's bands by T are several entries; a call at another T replaces the kept one,
+        whichever band it takes), one for each training entry. fresh: buffers the call hands
+        on (the training forward's saved tensors, which autograd holds until the backward):
+        allocated every call, never kept. Never while a CUDA graph is captured, in poison or
+        profiling mode."""
         slot = None
         if keep and peers is None and not given and not self.poison and not self.profiling \
                 and not torch.cuda.is_current_stream_capturing():
-            slot = ("routed" if "routed" in entry else "given", device, torch.cuda.current_stream(device).cuda_stream)
+            kind = "routed" if "routed" in entry else entry if entry in _TRAINING_ENTRIES else "given"
+            slot = (kind, device, torch.cuda.current_stream(device).cuda_stream)
         sizes = peers.sizes if peers is not None else (0, 0)
         # the backward's saved tensors are the caller's (what the training forward returned)
         used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ()).difference(given)
         kept = self._kept.get(slot) if slot is not None else None
-        if kept is not None and kept[0] == tokens and kept[3] == entry:
+        reuse = kept is not None and kept[0] == tokens and kept[3] == entry
+        if reuse:
             ws, zero_init = dict(kept[1]), kept[2]
             for t in zero_init:
                 t.zero_()
         else:
             ws, zero_init = {}, []
             self.check_offsets(tokens, sizes)
+        if not reuse or fresh:
             zeroed = self.plan.get("zeroed", {}).get(entry, ())
             for name, dt, shape, init in self.buffer_shapes(tokens, sizes):
-                if name not in used:
+                if name not in used or (reuse and name not in fresh):
                     continue
                 if init == "zeros" or name in zeroed:
                     ws[name] = torch.zeros(shape, dtype=dt, device=device)
-                    zero_init.append(ws[name])
+                    if name not in fresh:
+                        zero_init.append(ws[name])
                 elif self.poison:
                     ws[name] = torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=device)
                 else:
                     ws[name] = torch.empty(shape, dtype=dt, device=device)
-            if slot is not None:
-                self._kept.pop(slot, None)  # (one kept workspace per slot: the last T's)
-                if sum(t.numel() * t.element_size() for t in ws.values()) <= KEEP_WORKSPACE_BYTES:
-                    self._kept[slot] = (tokens, dict(ws), zero_init, entry)
+        if slot is not None and not reuse:
+            self._kept.pop(slot, None)  # (one kept workspace per slot: the last T's)
+            keep_ws = {n: t for n, t in ws.items() if n not in fresh}
+            if sum(t.numel() * t.element_size() for t in keep_ws.values()) <= KEEP_WORKSPACE_BYTES:
+                self._kept[slot] = (tokens, keep_ws, zero_init, entry)
         for name in used.intersection(self._state_shapes):
             ws[name] = self._state_buffer(name, device)
         if peers is not None:
@@ -531,7 +542,7 @@ class Variant:
         tokens = x.shape[0]
         out = torch.empty_like(x)
         with torch.cuda.device(x.device):
-            env = self._workspace(tokens, x.device, "forward_train", peers)
+            env = self._workspace(tokens, x.device, "forward_train", peers, keep=True, fresh=self.saved_names)
             # (A missing shared expert's entries are empty tensors, each its own: outputs of a
             # custom op may not alias one another.)
             saved = tuple(env[n] if n in env else x.new_empty(0) for n in self.saved_names)
@@ -603,7 +614,7 @@ class Variant:
                 raise InputError(f"{self.name}: the peer workspace has no backward regions yet; the forward makes "
                                  "them when it runs under autograd (mokgen.moe with tensors that require grad), or "
                                  f"call peers.prepare(variant, {entry!r}) on every rank together first")
-            env = self._workspace(tokens, x.device, entry, peers)
+            env = self._workspace(tokens, x.device, entry, peers, keep=True)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
                        ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down, dout=dout, dx=dx, d_topk_weights=d_weights)
             env.update(zip(("d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"), d_w))
@@ -789,6 +800,41 @@ def _register_ops(v: Variant):
 
     route.register_autograd(autograd_backward_route, setup_context=setup_context_route)
 
+    def layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
+              recompute: bool = False):
+        """The layer as mokgen.moe and mokgen.MoE run it (inputs checked by the caller):
+        under autograd the training forward, which saves the SwiGLU inputs (or with recompute,
+        or where the Plan saves nothing, the inference forward, whose backward recomputes
+        them); else the inference forward. torch.compile traces the custom ops above; an
+        eager call runs the variant's entries directly (runtime/eager.py: the same kernels and
+        bits without the ops' dispatch)."""
+        args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        training = needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        save = training and not recompute and Ops.variant.has_backward
+        if torch.compiler.is_compiling():
+            return forward_train(*args)[0] if save else forward(*args)
+        if training:
+            return Layer.apply(Ops.variant, save, *args)
+        return Ops.variant.forward(*args)
+
+    def routing(logits):
+        """(topk_ids, topk_weights) of the generated route, differentiable in the logits
+        through the weights: the custom op under torch.compile, else as layer() does."""
+        if torch.compiler.is_compiling():
+            return route(logits)
+        if needs_grad(logits):
+            return Route.apply(Ops.variant, logits)
+        return Ops.variant.route(logits)
+
+    def routed(x, logits, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
+        """(out, topk_ids, topk_weights) from the router logits, without autograd (mokgen.moe_routed
+        and mokgen.MoE's inference): the custom op under torch.compile, else the variant's entry."""
+        args = (x, logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        return forward_routed(*args) if torch.compiler.is_compiling() else Ops.variant.forward_routed(*args)
+
+    Ops.layer = layer
+    Ops.routed = routed
+    Ops.routing = routing
     Ops.forward = forward
     Ops.forward_train = forward_train
     Ops.backward = backward
