@@ -17,8 +17,10 @@ Callers timed: `variant.forward` (the runtime, no checks) and `mokgen.moe(..., c
 
 --train times a training step instead (forward under autograd, then torch.autograd.grad of
 x, topk_weights and the three weights): through `mokgen.moe` (the eager binding,
-runtime/eager.py) and through the variant's torch custom op (`ops.forward_train`, what
-torch.compile traces), whose dispatch the eager binding avoids.
+runtime/eager.py), through the variant's torch custom op (`ops.forward_train`, what
+torch.compile traces), whose dispatch the eager binding avoids, and through
+torch.cuda.make_graphed_callables over `mokgen.moe` (the forward and the backward each one
+CUDA graph replay).
 """
 import argparse
 import cProfile
@@ -90,12 +92,17 @@ for i, T in enumerate(int(t) for t in args.tokens.split(",")):
             out = layer(leaves[0], ids, *leaves[1:])
             return torch.autograd.grad(out, leaves, dout)
 
+        def moe(*a):
+            return mokgen.moe(*a, check_ids=False)
+
+        graphed = torch.cuda.make_graphed_callables(moe, (leaves[0], ids, *leaves[1:]))
         calls = {
-            "step, mokgen.moe": lambda: step(lambda *a: mokgen.moe(*a, check_ids=False)),
+            "step, mokgen.moe": lambda: step(moe),
             "step, custom op": lambda: step(lambda *a: v.ops.forward_train(*a)[0]),
+            "step, CUDA graphs": lambda: step(graphed),
         }
-        same = [torch.equal(a, b) for a, b in zip(*(fn() for fn in calls.values()))]
-        print(f"T={T}: the two steps' gradients equal bit for bit: {all(same)}", flush=True)
+        same = [torch.equal(a, b) for fn in list(calls.values())[1:] for a, b in zip(calls["step, mokgen.moe"](), fn())]
+        print(f"T={T}: the steps' gradients equal bit for bit: {all(same)}", flush=True)
     graph = _capture(next(iter(calls.values())))
     gpu_ms = time_ms(graph.replay) if graph is not None else float("nan")
     # The callers in interleaved rounds, the median kept (one round's figures drift with the

@@ -853,3 +853,38 @@ def test_moe_module_matches_torch_reference_module(fused_routing, gen):
         assert rel_error(p.grad, q.grad) <= 2 * TOL, name
     with torch.no_grad():  # inference (fused_routing: routing inside the single launch)
         assert rel_error(ours(x[:1]), ref(x[:1])) <= TOL
+
+
+@pytest.mark.parametrize("shape, fused_routing", [(SHAPES[3], False), (SHAPES[3], True), (SHAPES[4], False)],
+                         ids=["e40-torch_routing", "e40-fused_routing", "e16_shared-torch_routing"])
+def test_training_steps_replay_as_cuda_graphs(shape, fused_routing, gen):
+    """torch.cuda.make_graphed_callables over mokgen.MoE: the forward and the backward each
+    captured as one CUDA graph (nothing in a step synchronises with the host), and every
+    replay, with new inputs each step, gives the eager module's output and the gradients of x
+    and of every parameter bit for bit."""
+    import mokgen
+
+    E, K, H, I, S = shape
+    T = 97
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item()))
+    eager = mokgen.MoE(H, I, E, K, shared_intermediate=S, renormalize=True, device="cuda",
+                       fused_routing=fused_routing)
+    module = mokgen.MoE(H, I, E, K, shared_intermediate=S, renormalize=True, device="cuda",
+                        fused_routing=fused_routing)
+    module.load_state_dict(eager.state_dict())
+    sample = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
+    graphed = torch.cuda.make_graphed_callables(module, (sample,))
+    for step in range(3):
+        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+        got = []
+        for m, params in ((eager, eager.parameters()), (graphed, module.parameters())):
+            params = list(params)
+            for p in params:
+                p.grad = None
+            xi = x.clone().requires_grad_(True)
+            y = m(xi)
+            (y.float() ** 2).mean().backward()
+            got.append([y.detach().clone(), xi.grad] + [p.grad for p in params])
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(*got)), step
+    mokgen.check_errors()
