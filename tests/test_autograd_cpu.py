@@ -263,3 +263,37 @@ def test_eager_route_hands_the_logits_their_gradient():
     with torch.no_grad():
         ids, weights = ops.routing(logits)
     assert not weights.requires_grad
+
+
+def test_each_variant_object_runs_its_own_kernels_through_its_ops():
+    """Two Variant objects of one name (an experiment's build beside the normal one) share the
+    custom ops torch.library registers once per name; a call through either one's ops (eager
+    or a custom op) runs that object's entries, whichever was made last. (The ops once followed
+    the last object made, so the normal build's calls ran an experiment's kernels.)"""
+    import copy
+
+    spec = MoESpec(experts=4, topk=2, hidden=128, intermediate=64)
+    ops_a, ops_b = stand_in_ops(spec, "two_objects"), stand_in_ops(spec, "two_objects")
+    ran = []
+
+    class StandIn:
+        has_backward = True
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def forward(self, x, *rest):
+            ran.append(self.tag)
+            return x + 0
+
+    ops_a.variant, ops_b.variant = StandIn("a"), StandIn("b")
+    x, w = torch.randn(3, 128), torch.rand(3, 2)
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    weights = [torch.randn(4, 64, 128), torch.randn(4, 64, 128), torch.randn(4, 128, 64)]
+    ops_a.layer(x, ids, w, *weights)
+    ops_b.layer(x, ids, w, *weights)
+    ops_a.forward(x, ids, w, *weights)  # the custom op, taken for a
+    ops_b.forward(x, ids, w, *weights)
+    ops_a.layer(x, ids, w, *weights)
+    assert ran == ["a", "b", "a", "b", "a"]
+    assert copy.deepcopy(ops_a) is ops_a and copy.copy(ops_b) is ops_b

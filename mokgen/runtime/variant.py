@@ -678,12 +678,10 @@ _OPS: dict[str, object] = {}
 def _register_ops(v: Variant):
     """torch.library custom ops `mokgen::<variant>_forward` (differentiable: its autograd
     formula is the `_backward` op), `_backward` and `_route`, with fake (meta)
-    implementations for torch.compile. Registered once per process."""
+    implementations for torch.compile, registered once per process and variant name; returns
+    this variant's VariantOps over them."""
     if v.name in _OPS:
-        ops = _OPS[v.name]
-        ops.variant = v
-        return ops
-
+        return VariantOps(v, _OPS[v.name])
 
     class Ops:
         variant = v
@@ -800,41 +798,6 @@ def _register_ops(v: Variant):
 
     route.register_autograd(autograd_backward_route, setup_context=setup_context_route)
 
-    def layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
-              recompute: bool = False):
-        """The layer as mokgen.moe and mokgen.MoE run it (inputs checked by the caller):
-        under autograd the training forward, which saves the SwiGLU inputs (or with recompute,
-        or where the Plan saves nothing, the inference forward, whose backward recomputes
-        them); else the inference forward. torch.compile traces the custom ops above; an
-        eager call runs the variant's entries directly (runtime/eager.py: the same kernels and
-        bits without the ops' dispatch)."""
-        args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        training = needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        save = training and not recompute and Ops.variant.has_backward
-        if torch.compiler.is_compiling():
-            return forward_train(*args)[0] if save else forward(*args)
-        if training:
-            return Layer.apply(Ops.variant, save, *args)
-        return Ops.variant.forward(*args)
-
-    def routing(logits):
-        """(topk_ids, topk_weights) of the generated route, differentiable in the logits
-        through the weights: the custom op under torch.compile, else as layer() does."""
-        if torch.compiler.is_compiling():
-            return route(logits)
-        if needs_grad(logits):
-            return Route.apply(Ops.variant, logits)
-        return Ops.variant.route(logits)
-
-    def routed(x, logits, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
-        """(out, topk_ids, topk_weights) from the router logits, without autograd (mokgen.moe_routed
-        and mokgen.MoE's inference): the custom op under torch.compile, else the variant's entry."""
-        args = (x, logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        return forward_routed(*args) if torch.compiler.is_compiling() else Ops.variant.forward_routed(*args)
-
-    Ops.layer = layer
-    Ops.routed = routed
-    Ops.routing = routing
     Ops.forward = forward
     Ops.forward_train = forward_train
     Ops.backward = backward
@@ -842,4 +805,67 @@ def _register_ops(v: Variant):
     Ops.forward_routed = forward_routed
     Ops.route_backward = route_backward
     _OPS[v.name] = Ops
-    return Ops
+    return VariantOps(v, Ops)
+
+
+class VariantOps:
+    """A variant's torch ops (Variant.ops). The custom ops are registered once per variant
+    name (torch.library's names are process-wide), so every Variant object of one name (an
+    experiment's or a debug build of the same layer, say) shares them; their implementations
+    run the variant that last took them (`shared.variant`). Reaching a custom op through this
+    object takes it for this variant first, and the eager entries (layer, routing, routed) run
+    this variant directly: a call through one build's ops never runs another's kernels. (A
+    graph compiled by torch.compile runs the custom ops of whichever variant of that name last
+    took them before it was traced or when it runs.)"""
+
+    _CUSTOM = ("forward", "forward_train", "backward", "route", "forward_routed", "route_backward")
+
+    def __init__(self, variant, shared):
+        self.variant = variant
+        self._shared = shared
+
+    def __deepcopy__(self, memo):  # (a copied module shares the loaded variant, as it shared the ops before)
+        return self
+
+    def __copy__(self):
+        return self
+
+    def __getattr__(self, name):
+        if name in VariantOps._CUSTOM:
+            if not torch.compiler.is_compiling():  # (torch.compile traces no assignment to a class)
+                self._shared.variant = self.variant
+            return getattr(self._shared, name)
+        raise AttributeError(name)
+
+    def layer(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None,
+              recompute: bool = False):
+        """The layer as mokgen.moe and mokgen.MoE run it (inputs checked by the caller):
+        under autograd the training forward, which saves the SwiGLU inputs (or with recompute,
+        or where the Plan saves nothing, the inference forward, whose backward recomputes
+        them); else the inference forward. torch.compile traces the custom ops; an eager call
+        runs the variant's entries directly (runtime/eager.py: the same kernels and bits
+        without the ops' dispatch)."""
+        v = self.variant
+        args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        training = needs_grad(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        save = training and not recompute and v.has_backward
+        if torch.compiler.is_compiling():
+            return self.forward_train(*args)[0] if save else self.forward(*args)
+        if training:
+            return Layer.apply(v, save, *args)
+        return v.forward(*args)
+
+    def routing(self, logits):
+        """(topk_ids, topk_weights) of the generated route, differentiable in the logits
+        through the weights: the custom op under torch.compile, else as layer() does."""
+        if torch.compiler.is_compiling():
+            return self.route(logits)
+        if needs_grad(logits):
+            return Route.apply(self.variant, logits)
+        return self.variant.route(logits)
+
+    def routed(self, x, logits, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
+        """(out, topk_ids, topk_weights) from the router logits, without autograd (mokgen.moe_routed
+        and mokgen.MoE's inference): the custom op under torch.compile, else the variant's entry."""
+        args = (x, logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        return self.forward_routed(*args) if torch.compiler.is_compiling() else self.variant.forward_routed(*args)
