@@ -38,7 +38,6 @@ def collect(variant, tokens: int, routing: str = "uniform", seed: int = 0, warmu
         variant.forward(x, ids, w, wg, wu, wd, sg, su, sd)
     torch.cuda.synchronize()
     params = {k["name"]: k["params"] for k in variant.plan["kernels"]}
-    sms = variant.plan["target"]["sms"]
     raw = {}
     for k in variant.plan["steps"][variant.forward_entry(tokens)]:
         if k not in variant.last_records:

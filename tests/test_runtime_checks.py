@@ -145,3 +145,26 @@ def test_release_workspaces_drops_every_kept_workspace(monkeypatch):
     mokgen.release_workspaces()
     assert all(v._kept == {} for v in kept)
     assert "release_workspaces" in mokgen.__all__
+
+
+def test_only_the_builds_at_the_top_of_the_variants_root_serve_calls(monkeypatch, tmp_path):
+    """find_variant's lookup among loaded variants: an experiment's, a debug or a profiling build
+    of the same layer (loaded from below the root, or from anywhere else) never serves a call
+    that names no build; the build at the top of the root does."""
+    import types
+
+    import mokgen.runtime as runtime
+    from mokgen.ir import MoESpec
+
+    spec = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024)
+    monkeypatch.setenv("MOKGEN_HOME", str(tmp_path))
+    loaded = {}
+    monkeypatch.setattr(runtime, "_LOADED", loaded)
+    want = dict(experts=64, topk=8, hidden=2048, intermediate=1024, world_size=1, dtype="bf16")
+    for where in ("experiments/wave", "debug/broken_dependency", "profile", "../elsewhere"):
+        path = tmp_path / where / spec.variant
+        loaded[str(path)] = types.SimpleNamespace(path=path, spec=spec)
+    assert runtime._find_built(want) is None
+    top = types.SimpleNamespace(path=tmp_path / spec.variant, spec=spec)
+    loaded[str(top.path)] = top
+    assert runtime._find_built(want) is top

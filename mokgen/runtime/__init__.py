@@ -72,11 +72,14 @@ def _warn_if_stale(v: Variant) -> None:
 
 
 def _find_built(want: dict) -> Variant | None:
-    """A loaded or built variant whose spec has these field values."""
-    for v in _LOADED.values():
-        if all(v.spec.to_dict()[f] == val for f, val in want.items()):
-            return v
+    """A loaded or built variant whose spec has these field values, among the builds at the
+    top of variants_root(): an experiment's, a debug or a profiling build of the same layer
+    (under experiments/, debug/, profile/ or elsewhere), even when loaded, never serves calls
+    that name no build."""
     root = variants_root()
+    for v in _LOADED.values():
+        if v.path.resolve().parent == root.resolve() and all(v.spec.to_dict()[f] == val for f, val in want.items()):
+            return v
     if root.is_dir():
         import json
 

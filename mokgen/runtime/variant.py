@@ -182,7 +182,8 @@ class Variant:
         self._state_shapes = {b["name"]: (DTYPES[b["dtype"]], tuple(int(d) for d in b["shape"]))
                               for b in self.plan["buffers"] if b.get("memory") == "state"}
         self._state: dict = {}  # (name, device, stream) -> tensor
-        # ("given" | "routed", device, stream) -> (T, buffers, the zero-initialised ones, entry): _workspace
+        # ("given" | "routed" | a training entry, device, stream) -> (T, buffers, the zero-initialised
+        # ones, entry): _workspace
         self._kept: dict = {}
         self.expert_parallel = self.spec.world_size > 1
         self._side_kernels = frozenset(self.plan.get("side_stream", ()))

@@ -764,7 +764,6 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         else:
             steps["forward"] = head + ["ep_wait_rows", "gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns",
                                        "combine"]
-    forward = steps["forward"]
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
 
     if backward:
