@@ -172,7 +172,9 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
             experts = variant.quantize_experts_fp8(wg, wu, wd)
             impls = {"mokgen": lambda: variant.forward_fp8(x, ids, w, experts)}
         else:
-            impls = {"mokgen": lambda: variant.ops.forward(x, ids, w, wg, wu, wd, sg, su, sd)}
+            # (as mokgen.moe runs it, without its input checks: eagerly the variant's entry, not
+            # the custom op, whose dispatch only torch.compile needs)
+            impls = {"mokgen": lambda: variant.ops.layer(x, ids, w, wg, wu, wd, sg, su, sd)}
         w13, shared = baseline_weights(wg, wu, sg, su, sd)
         if "torch_grouped_mm" in baselines:
             impls["torch_grouped_mm"] = lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate, shared)
