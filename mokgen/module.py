@@ -211,6 +211,14 @@ class MoE(nn.Module):
                    ws_up=ws_up, ws_down=ws_down, check_ids=False, group=self.group, max_tokens=self.max_tokens,
                    recv_rows=self.recv_rows, recompute=self.recompute)
 
+    def __getstate__(self):
+        """Pickling (torch.save of the module, copy.deepcopy) keeps the parameters and settings;
+        the generated ops (a loaded library of this process) and the FP8 copy of the experts
+        are left out and found, or quantised, again at the first forward."""
+        state = self.__dict__.copy()
+        state.update(_ops=None, _routed_ops=None, _fp8=None)
+        return state
+
     @torch.no_grad()
     def reset_parameters(self):
         H, I, S = self.spec.hidden, self.spec.intermediate, self.spec.shared_intermediate

@@ -297,3 +297,23 @@ def test_each_variant_object_runs_its_own_kernels_through_its_ops():
     ops_a.layer(x, ids, w, *weights)
     assert ran == ["a", "b", "a", "b", "a"]
     assert copy.deepcopy(ops_a) is ops_a and copy.copy(ops_b) is ops_b
+
+
+def test_the_module_pickles_without_its_loaded_ops():
+    """torch.save(module) and copy.deepcopy keep mokgen.MoE's parameters and settings and leave
+    out what belongs to this process (the generated ops, the FP8 copy of the experts), which
+    the first forward after loading finds or quantises again."""
+    import copy
+    import io
+
+    import mokgen
+
+    m = mokgen.MoE(256, 128, 8, 2, shared_intermediate=128, recompute=True)
+    m._ops = m._routed_ops = lambda: None  # (stand-ins for the loaded ops: a lambda cannot be pickled)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    for again in (torch.load(buf, weights_only=False), copy.deepcopy(m)):
+        assert again._ops is None and again._routed_ops is None and again.recompute and again.spec == m.spec
+        assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), m.state_dict().values()))
+    assert m._ops is not None  # (the original keeps its own)
