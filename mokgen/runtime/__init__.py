@@ -190,13 +190,7 @@ def moe_fp8(x, topk_ids, topk_weights, experts, *, check_ids: bool = True, group
     group = _several(group)
     if group is not None:
         v, topk_ids, W = _fp8_group_call(x, topk_ids, topk_weights, experts, group)
-        E = experts.gate_up.values.shape[0]
-        if needs_grad(x, topk_weights):
-            from .rail import FP8NodeLayer, moe_over_rail
-
-            return moe_over_rail(x, topk_ids, topk_weights, None, None, None,
-                                 FP8NodeLayer(v, experts, weight_gradients=False), E * W, group, check_ids)
-        return _fp8_over_nodes(x, topk_ids, topk_weights, experts, v, group, W, check_ids)
+        return _fp8_over_group(x, topk_ids, topk_weights, None, experts, v, group, W, check_ids)
     v, topk_ids = _fp8_call(x, topk_ids, topk_weights, experts, check_ids)
     if needs_grad(x, topk_weights):
         return _MoEFP8.apply(x, topk_weights, topk_ids, experts, v)
@@ -247,25 +241,29 @@ def moe_fp8_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, experts=No
         raise InputError(f"experts hold [E, H, I] = {list(experts.down.values.shape)}, the weights "
                          f"{[E, H, I]}: pass the experts quantised from these weights")
     if group is not None:
-        if not needs_grad(x, topk_weights, w_gate, w_up, w_down):
-            return _fp8_over_nodes(x, topk_ids, topk_weights, experts, v, group, W, check_ids)
-        from .rail import FP8NodeLayer, moe_over_rail
-
-        return moe_over_rail(x, topk_ids, topk_weights, w_gate, w_up, w_down,
-                             FP8NodeLayer(v, experts, weight_gradients=True, recompute=recompute), E * W, group,
-                             check_ids)
+        return _fp8_over_group(x, topk_ids, topk_weights, (w_gate, w_up, w_down), experts, v, group, W, check_ids,
+                               recompute)
     if needs_grad(x, topk_weights, w_gate, w_up, w_down):
         return _MoEFP8Train.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, experts, v, bool(recompute))
     return v.forward_fp8(x, topk_ids, topk_weights, experts)
 
 
-def _fp8_over_nodes(x, topk_ids, topk_weights, experts, v, group, W: int, check_ids: bool):
-    """The FP8 layer's no-grad forward over the group's W GPUs, one per node (checked inputs,
-    v the node-local variant): docs/multinode.md's levels, the own tokens overlapping the
-    exchange."""
+def _fp8_over_group(x, topk_ids, topk_weights, masters, experts, v, group, W: int, check_ids: bool,
+                    recompute: bool = False):
+    """The FP8 layer over the group's W GPUs, one per node (checked inputs, v the node-local
+    variant). masters: this rank's bf16 (w_gate, w_up, w_down), whose gradients the backward
+    gives too (moe_fp8_train), or None (moe_fp8: frozen experts). Under autograd the rail's
+    forward and backward (runtime/rail.py); else docs/multinode.md's levels, the own tokens
+    overlapping the exchange."""
+    E, two_i, H = experts.gate_up.values.shape
+    weights = masters or (None, None, None)
+    if needs_grad(x, topk_weights, *weights):
+        from .rail import FP8NodeLayer, moe_over_rail
+
+        layer = FP8NodeLayer(v, experts, weight_gradients=masters is not None, recompute=recompute)
+        return moe_over_rail(x, topk_ids, topk_weights, *weights, layer, E * W, group, check_ids)
     from .multinode import moe_multinode
 
-    E, two_i, H = experts.gate_up.values.shape
     return moe_multinode(x, topk_ids, topk_weights, None, None, None, (E, topk_ids.shape[1], H, two_i // 2, 0),
                          group, W, check_ids, fp8_local=lambda xs, ids, w: v.forward_fp8(xs, ids, w, experts))
 
