@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 
@@ -130,8 +132,6 @@ def test_too_many_tokens_for_32_bit_offsets_are_refused_with_the_batch_that_fits
 
 def test_release_workspaces_drops_every_kept_workspace(monkeypatch):
     """mokgen.release_workspaces() empties what each loaded variant keeps for its next small call."""
-    import types
-
     import mokgen
     from mokgen import runtime
 
@@ -168,3 +168,60 @@ def test_only_the_builds_at_the_top_of_the_variants_root_serve_calls(monkeypatch
     top = types.SimpleNamespace(path=tmp_path / spec.variant, spec=spec)
     loaded[str(top.path)] = top
     assert runtime._find_built(want) is top
+
+
+def _bare_variant(monkeypatch, steps: dict, kernels: dict, side=()):
+    """A Variant without a library: its launchers record (kernel, bound tensors, stream)."""
+    from mokgen.runtime import variant as V
+
+    v = object.__new__(V.Variant)
+    v.plan = {"steps": steps}
+    v.spec = types.SimpleNamespace(variant="v")
+    v.kernels = {n: {"args": [{"tensor": t} for t in args]} for n, args in kernels.items()}
+    v._side_kernels = frozenset(side)
+    launched = []
+    v.launchers = {n: (lambda ts, stream, _n=n: launched.append((_n, ts, stream))) for n in kernels}
+    monkeypatch.setattr(V, "cuda_stream", lambda device: 7)
+    return v, launched
+
+
+def test_run_binds_each_kernels_tensors_by_name_in_the_plans_order(monkeypatch):
+    """Variant.run: every kernel of the entry, in order, on the caller's stream, with the
+    call's tensors bound by the Plan's names; skipped kernels are left out; a launcher swapped
+    after the first call is the one called (benchmarks wrap them); a missing tensor is named."""
+    v, launched = _bare_variant(monkeypatch, {"fwd": ["a", "b", "c"]},
+                                {"a": ["x", "w"], "b": ["w"], "c": ["out", "x"]})
+    env = {"x": 1, "w": 2, "out": 3}
+    v.run("fwd", env, "cuda:0")
+    assert launched == [("a", [1, 2], 7), ("b", [2], 7), ("c", [3, 1], 7)]
+    launched.clear()
+    v.run("fwd", env, "cuda:0", skip={"b"})
+    assert [n for n, *_ in launched] == ["a", "c"]
+    v.launchers["b"] = lambda ts, stream: launched.append(("wrapped", ts, stream))
+    launched.clear()
+    v.run("fwd", env, "cuda:0")
+    assert [n for n, *_ in launched] == ["a", "wrapped", "c"]
+    with pytest.raises(KeyError, match=r"'c': \['out'\]"):
+        v.run("fwd", {"x": 1, "w": 2}, "cuda:0")
+
+
+def test_an_error_code_in_the_status_word_raises_once_without_waiting(monkeypatch):
+    """The status mirror writes a set error code to the host word; a non-waiting check reads
+    it without an event or a sync, raises the code's error once and clears the word."""
+    import ctypes
+
+    from mokgen.runtime import variant as V
+    from mokgen.schedule.plan import BAD_IDS_CODE
+
+    v = object.__new__(V.Variant)
+    v.name, v.spec, v.plan = "v", types.SimpleNamespace(experts=64), {"overrides": {}}
+    v._gemm_by_slot, v._state, v._status_event = {}, {}, None
+    v._status_host = torch.zeros(1, dtype=torch.int32)
+    v._status_word = ctypes.c_int32.from_address(v._status_host.data_ptr())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    v._check_status(wait=False)  # 0: no error (or the call not finished)
+    v._status_host[0] = BAD_IDS_CODE
+    with pytest.raises(InputError, match="outside"):
+        v._check_status(wait=False)
+    assert int(v._status_host[0]) == 0
+    v._check_status(wait=False)

@@ -7,6 +7,7 @@ so a call can be captured in a CUDA graph.
 """
 
 
+import ctypes
 import functools
 import json
 import math
@@ -26,7 +27,7 @@ from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS, OVERFLOW_KIND
 from ..schedule.plan import BAD_IDS_CODE, EP_SAVED_FOR_BACKWARD, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
 from .checks import InputError
 from .eager import Layer, Route, needs_grad
-from .library import Launcher, open_library
+from .library import Launcher, cuda_stream, on_device, open_library
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
           "e4m3": torch.float8_e4m3fn}
@@ -256,7 +257,7 @@ class Variant:
         if keep and peers is None and not given and not self.poison and not self.profiling \
                 and not torch.cuda.is_current_stream_capturing():
             kind = "routed" if "routed" in entry else entry if entry in _TRAINING_ENTRIES else "given"
-            slot = (kind, device, torch.cuda.current_stream(device).cuda_stream)
+            slot = (kind, device, cuda_stream(device))
         sizes = peers.sizes if peers is not None else (0, 0)
         # the backward's saved tensors are the caller's (what the training forward returned)
         used = self.entry_buffers(entry).difference(self.saved_names if entry == "backward" else ()).difference(given)
@@ -299,8 +300,7 @@ class Variant:
         self._kept.clear()
 
     def _state_buffer(self, name: str, device):
-        stream = torch.cuda.current_stream(device)
-        key = (name, stream.device, stream.cuda_stream)
+        key = (name, device, cuda_stream(device))
         if key not in self._state:
             dt, shape = self._state_shapes[name]
             self._state[key] = torch.zeros(shape, dtype=dt, device=device)
@@ -308,17 +308,25 @@ class Variant:
 
     def _check_status(self, wait: bool) -> None:
         """Raise what an earlier call's kernels recorded (KernelTimeout for a timed-out wait,
-        InputError for out-of-range ids). wait=False looks only if that call has finished
-        (never blocks)."""
-        if self._status_host is None or torch.cuda.is_current_stream_capturing():
-            return  # no event query or sync may run inside a capture; replays are checked after
-        if self._status_event is not None and not wait and not self._status_event.query():
+        InputError for out-of-range ids). wait=False never blocks: it reads the host word that
+        the status_mirror launch behind each call's kernels writes only when the call's error
+        code is set, so a word still 0 is a call without error or one not finished yet (the next
+        call, or check_errors, sees it). Builds from before that launch copy the code every call
+        instead, and are read only once an event says the copy is done."""
+        if self._status_host is None:
             return
-        if wait:
-            torch.cuda.synchronize()
-        code = int(self._status_host[0])
+        if wait or self._status_event is not None:
+            if torch.cuda.is_current_stream_capturing():
+                return  # no event query or sync may run inside a capture; replays are checked after
+            if wait:
+                torch.cuda.synchronize()
+            elif not self._status_event.query():
+                return
+        code = self._status_word.value
         if code:
-            self._status_host[0] = 0
+            if torch.cuda.is_current_stream_capturing():
+                return  # (raised at the first call or check after the capture)
+            self._status_word.value = 0
             for t in self._state.values():  # a launch that gave up a wait may leave counters raised
                 t.zero_()
             raise status_error(self.name, self.spec.experts, self._gemm_by_slot, code,
@@ -334,47 +342,62 @@ class Variant:
             return
         if self._status_host is None:
             self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            # (read and reset through its address: indexing the tensor costs a few us a call)
+            self._status_word = ctypes.c_int32.from_address(self._status_host.data_ptr())
         counters = env["tile_counters"]
         if "status_mirror" in self.launchers:  # (on the caller's stream, as run() would: one kernel, less host time)
             bound = dict(tile_counters=counters, status_host=self._status_host)
             self.launchers["status_mirror"]([bound[a["tensor"]] for a in self.kernels["status_mirror"]["args"]],
-                                            torch.cuda.current_stream(counters.device).cuda_stream)
-        else:
-            self._status_host.copy_(counters[self._status_slot:self._status_slot + 1], non_blocking=True)
+                                            cuda_stream(counters.device))
+            return
+        self._status_host.copy_(counters[self._status_slot:self._status_slot + 1], non_blocking=True)
         if not torch.cuda.is_current_stream_capturing():
             if self._status_event is None:  # one event, recorded again by every call
                 self._status_event = torch.cuda.Event()
             self._status_event.record()
 
+    @functools.lru_cache(maxsize=64)
+    def _steps(self, entry: str) -> tuple:
+        """(name, the tensors it binds, whether it runs on the side stream) of each kernel of
+        an entry, in the Plan's order: looked up once, not at every call. (The launchers are
+        looked up at the call: a benchmark may wrap them.)"""
+        return tuple((n, tuple(a["tensor"] for a in self.kernels[n]["args"]), n in self._side_kernels)
+                     for n in self.plan["steps"][entry])
+
     def run(self, entry: str, env: dict, device, skip=()) -> None:
+        steps = self._steps(entry)
+        if skip:
+            steps = tuple(s for s in steps if s[0] not in skip)
+        try:
+            if not any(side for *_, side in steps):  # one stream: the caller's
+                stream, launchers = cuda_stream(device), self.launchers
+                for name, names, _ in steps:
+                    launchers[name]([env[n] for n in names], stream)
+                return
+            self._run_two_streams(steps, env, device)
+        except KeyError:
+            missing = {n: [t for t in names if t not in env] for n, names, _ in steps}
+            missing = {n: m for n, m in missing.items() if m}
+            raise KeyError(f"{self.spec.variant}: kernels need tensors this call did not give: {missing}") from None
+
+    def _run_two_streams(self, steps: tuple, env: dict, device) -> None:
+        # Both streams are the variant's own: work on the legacy default stream waits for
+        # everything launched before it on blocking streams, which would put a kernel that
+        # waits for the side stream's progress behind it.
         caller = torch.cuda.current_stream(device)
-        steps = [n for n in self.plan["steps"][entry] if n not in skip]
-        two = any(n in self._side_kernels for n in steps)
-        # With a side stream, both streams are the variant's own: work on the legacy default
-        # stream waits for everything launched before it on blocking streams, which would
-        # put a kernel that waits for the side stream's progress behind it.
-        main = self._streams(device)[0] if two else caller
-        if two:
-            main.wait_stream(caller)
-        side = None
-        for name in steps:
-            k = self.kernels[name]
+        main, side_stream = self._streams(device)
+        main.wait_stream(caller)
+        forked = False
+        for name, names, side in steps:
             stream = main
-            if name in self._side_kernels:  # forked here, so it runs beside the kernels after it
-                side = self._streams(device)[1]
-                side.wait_stream(main)
-                stream = side
-            try:
-                args = [env[a["tensor"]] for a in k["args"]]
-            except KeyError:
-                missing = [a["tensor"] for a in k["args"] if a["tensor"] not in env]
-                raise KeyError(f"{self.spec.variant}: kernel {name} needs tensors {missing}, "
-                               "which this call did not give") from None
-            self.launchers[name](args, stream.cuda_stream)
-        if two:  # joined: the caller's later work, and the call's buffers' reuse, come after it all
-            caller.wait_stream(main)
-            if side is not None:
-                caller.wait_stream(side)
+            if side:  # forked here, so it runs beside the kernels after it
+                side_stream.wait_stream(main)
+                stream, forked = side_stream, True
+            self.launchers[name]([env[n] for n in names], stream.cuda_stream)
+        # joined: the caller's later work, and the call's buffers' reuse, come after it all
+        caller.wait_stream(main)
+        if forked:
+            caller.wait_stream(side_stream)
 
     def _streams(self, device) -> tuple:
         if device not in self._own_streams:
@@ -411,7 +434,7 @@ class Variant:
         topk_weights (inputs, or the outputs of a launch that routes) and any logits."""
         tokens = x.shape[0]
         self._check_status(wait=False)  # an error of an earlier, finished call surfaces here
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             env = self._workspace(tokens, x.device, entry, peers, keep=True)
             env.update(routing, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, out=out)
             if ws_gate is not None:
@@ -435,7 +458,7 @@ class Variant:
         if tokens > 0:
             self._check_status(wait=False)
             entry = "forward_train" if save else "forward"
-            with torch.cuda.device(x.device):
+            with on_device(x.device):
                 env = self._workspace(tokens, x.device, entry, given=("a13",) if save else ())
                 env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out,
                            w13_q=experts.gate_up.values, w13_scales=experts.gate_up.scales,
@@ -467,7 +490,7 @@ class Variant:
         for name, (w, t) in (("w13", (w13, w13_t)), ("w_down", (down, down_t))):
             env.update({f"{name}_q": w.values, f"{name}_scales": w.scales, f"{name}_t_q": t.values,
                         f"{name}_t_scales": t.scales})
-        with torch.cuda.device(dev):
+        with on_device(dev):
             self.run("quantize_experts", env, dev)
         return FP8Experts(w13, down, w13_t, down_t)
 
@@ -480,7 +503,7 @@ class Variant:
         if x.shape[0] == 0:
             return dx, d_weights
         self._check_status(wait=False)
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             env = self._workspace(x.shape[0], x.device, "backward_data")
             env.update(self._fp8_backward_inputs(dout, x, topk_ids, topk_weights, experts, dx, d_weights))
             self.run("backward_data", env, x.device)
@@ -505,7 +528,7 @@ class Variant:
         else:
             self._check_status(wait=False)
             entry = "backward_fp8" if a13 is None else "backward_fp8_saved"
-            with torch.cuda.device(x.device):
+            with on_device(x.device):
                 env = self._workspace(x.shape[0], x.device, entry, given=() if a13 is None else ("a13",))
                 env.update(self._fp8_backward_inputs(dout, x, topk_ids, topk_weights, experts, dx, d_weights), **d_w)
                 if a13 is not None:
@@ -542,7 +565,7 @@ class Variant:
         and (one GPU) dispatch's tables pos, row_token, tile_expert, counts."""
         tokens = x.shape[0]
         out = torch.empty_like(x)
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             env = self._workspace(tokens, x.device, "forward_train", peers, keep=True, fresh=self.saved_names)
             # (A missing shared expert's entries are empty tensors, each its own: outputs of a
             # custom op may not alias one another.)
@@ -610,7 +633,7 @@ class Variant:
             return tuple(grads)
         self._check_status(wait=False)
         entry = "backward" if saved is not None else "backward_recompute"
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             if peers is not None and peers.missing(self, entry):
                 raise InputError(f"{self.name}: the peer workspace has no backward regions yet; the forward makes "
                                  "them when it runs under autograd (mokgen.moe with tensors that require grad), or "
@@ -655,7 +678,7 @@ class Variant:
         ids = torch.empty(tokens, K, dtype=torch.int32, device=logits.device)
         weights = torch.empty(tokens, K, dtype=torch.float32, device=logits.device)
         if tokens:
-            with torch.cuda.device(logits.device):
+            with on_device(logits.device):
                 self.run("route", dict(logits=logits, topk_ids=ids, topk_weights=weights), logits.device)
         return ids, weights
 
@@ -667,7 +690,7 @@ class Variant:
                              "or mokgen.load(spec)) to differentiate through mokgen.route")
         d_logits = torch.empty_like(logits)
         if logits.shape[0]:
-            with torch.cuda.device(logits.device):
+            with on_device(logits.device):
                 self.run("route_backward", dict(logits=logits, topk_ids=ids, d_topk_weights=d_weights.contiguous(),
                                                 d_logits=d_logits), logits.device)
         return d_logits
