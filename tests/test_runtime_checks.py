@@ -225,3 +225,30 @@ def test_an_error_code_in_the_status_word_raises_once_without_waiting(monkeypatc
         v._check_status(wait=False)
     assert int(v._status_host[0]) == 0
     v._check_status(wait=False)
+
+
+def test_run_forks_side_kernels_onto_the_variants_second_stream_and_joins_the_caller(monkeypatch):
+    """An entry with side-stream kernels (expert parallel: the sends) runs on the variant's own
+    two streams: the main one waits for the caller's, each side kernel's fork waits for the main
+    one, and the caller waits for both at the end (for every later use of the call's buffers)."""
+    import torch
+
+    class Stream:
+        def __init__(self, name, handle):
+            self.name, self.cuda_stream, self.waits = name, handle, []
+
+        def wait_stream(self, other):
+            self.waits.append(other.name)
+
+    v, launched = _bare_variant(monkeypatch, {"fwd": ["a", "send", "b"]}, {"a": ["x"], "send": ["x"], "b": ["x"]},
+                                side=["send"])
+    caller, main, side = Stream("caller", 1), Stream("main", 2), Stream("side", 3)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: caller)
+    v._streams = lambda device: (main, side)
+    v.run("fwd", {"x": 0}, "cuda:0")
+    assert [(n, s) for n, _, s in launched] == [("a", 2), ("send", 3), ("b", 2)]
+    assert main.waits == ["caller"] and side.waits == ["main"] and caller.waits == ["main", "side"]
+    launched.clear()
+    caller.waits.clear()
+    v.run("fwd", {"x": 0}, "cuda:0", skip={"send"})  # (no side kernel left: the caller's stream alone)
+    assert [(n, s) for n, _, s in launched] == [("a", 7), ("b", 7)] and caller.waits == []
