@@ -12,6 +12,9 @@ than launches into a running stream (E40 eager calls timed 0.097 ms back to back
 their graph replays, while this probe gave more host time per call than that).
 --profile adds cProfile's top entries for the host calls of the first T, and the torch
 profiler's table of what one eager call puts on the GPU (kernels, copies) and for how long.
+--parts adds, for each caller at the first T, the inclusive host time per call of the
+runtime's pieces (entry points, workspaces, launches, the error bookkeeping), timed by
+perf_counter wrappers: far less distortion than cProfile's, which slows every Python call.
 Callers timed: `variant.forward` (the runtime, no checks) and `mokgen.moe(..., check_ids=False)`
 (the public entry: input checks, variant lookup).
 
@@ -23,7 +26,9 @@ torch.cuda.make_graphed_callables over `mokgen.moe` (the forward and the backwar
 CUDA graph replay).
 """
 import argparse
+import collections
 import cProfile
+import functools
 import io
 import json
 import pstats
@@ -34,6 +39,8 @@ import torch
 
 import mokgen
 from mokgen.bench import _capture, time_ms
+from mokgen.runtime import Variant
+from mokgen.runtime.library import Launcher
 from mokgen.verify import make_inputs
 
 ap = argparse.ArgumentParser()
@@ -43,6 +50,7 @@ ap.add_argument("--calls", type=int, default=200)
 ap.add_argument("--profile", action="store_true")
 ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every caller (the median is shown)")
 ap.add_argument("--train", action="store_true", help="time a training step (forward + backward)")
+ap.add_argument("--parts", action="store_true", help="host time of the runtime's pieces (first T)")
 ap.add_argument("--json")
 args = ap.parse_args()
 
@@ -65,6 +73,38 @@ def host_us(fn, calls: int, profiler=None) -> float:
         profiler.disable()
     torch.cuda.synchronize()
     return (t1 - t0) / calls * 1e6
+
+
+# The runtime's pieces --parts times: (owner, attribute).
+PARTS = [(Variant, n) for n in ("forward", "forward_train", "backward", "run", "_workspace", "_check_status",
+                                "_record_status")] + [(Launcher, "__call__")]
+
+
+def parts_us(fn, calls: int) -> dict:
+    """{piece: (us per call of fn, times per call)}: each piece's inclusive host time, the GPU
+    kept busy as in host_us; the pieces are wrapped for this measurement only."""
+    spent, count = collections.Counter(), collections.Counter()
+
+    def timed(f, label):
+        @functools.wraps(f)
+        def g(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - t0
+                count[label] += 1
+        return g
+
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in PARTS]
+    try:
+        for owner, name, f in saved:
+            setattr(owner, name, timed(f, f"{owner.__name__}.{name}"))
+        total = host_us(fn, calls)
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
+    return {"call": (total, 1.0), **{k: (spent[k] / calls * 1e6, count[k] / calls) for k in spent}}
 
 
 def wall_ms(fn, calls: int) -> float:
@@ -121,6 +161,12 @@ for i, T in enumerate(int(t) for t in args.tokens.split(",")):
                          host_us=host))
         print(f"T={T:6d} {name:16s} graph {gpu_ms:.3f} ms  eager {eager_ms:.3f} ms  back to back {wall:.3f} ms"
               f"  host {host:7.1f} us/call" + ("  (host-bound)" if host / 1e3 > gpu_ms else ""), flush=True)
+        if args.parts and i == 0:
+            fn()
+            parts = parts_us(fn, host_calls)
+            rows[-1]["parts_us"] = {k: round(us, 1) for k, (us, _) in parts.items()}
+            print("    host us per call (inclusive; times per call): " + ", ".join(
+                f"{k} {us:.1f} ({n:g})" for k, (us, n) in parts.items()), flush=True)
         if args.profile and i == 0:
             prof = cProfile.Profile()
             host_us(fn, host_calls, prof)

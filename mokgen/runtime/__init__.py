@@ -487,8 +487,9 @@ def release_peer_workspaces() -> None:
 
 
 def release_workspaces() -> None:
-    """Drop the buffers small inference calls keep for their next call (Variant._workspace;
-    at most KEEP_WORKSPACE_BYTES per entry, device and stream): torch's allocator gets them
+    """Drop the buffers small calls keep for their next call (Variant._workspace; at most
+    KEEP_WORKSPACE_BYTES per inference slot, KEEP_TRAINING_BYTES per training entry, on each
+    device and stream): torch's allocator gets them
     back, and the next call allocates again. Safe at any time: a call still running on the GPU
     keeps its buffers alive in stream order, as torch's allocator does for any freed tensor."""
     for v in _LOADED.values():

@@ -37,6 +37,11 @@ LIB_NAME = "libmokgen.so"
 # call) was the largest host item of a small eager call (docs/perf.md), while a large call's
 # buffers (hundreds of MB at T=16384) would stay out of the allocator's reach between calls.
 KEEP_WORKSPACE_BYTES = 64 << 20
+# A training entry's (its slot's buffers are needed again at the next step anyway): the row
+# buffers are padded per expert, so E64's backward takes 136 MB even at T = 64, and allocating
+# it every step cost that step about 0.14 ms of host time (docs/perf.md). A step at a T whose
+# scratch passes this is GPU-bound.
+KEEP_TRAINING_BYTES = 256 << 20
 # Entries whose kept workspace has a slot of its own (Variant._workspace).
 _TRAINING_ENTRIES = ("forward_train", "backward", "backward_recompute")
 
@@ -244,8 +249,9 @@ class Variant:
                    fresh=()) -> dict:
         """The entry's buffers: the per-call ones allocated at this T (expert parallel: and at
         the peer workspace's sizes) but those the caller gives, then the peer workspace's own.
-        keep: a workspace of at most KEEP_WORKSPACE_BYTES is kept for the next call of the same
-        entry and T on the same device and stream, which stream order makes safe (no kernel
+        keep: a workspace of at most KEEP_WORKSPACE_BYTES (a training entry's: KEEP_TRAINING_BYTES)
+        is kept for the next call of the same entry and T on the same device and stream, which
+        stream order makes safe (no kernel
         reads a per-call buffer before writing it; zero-initialised ones are zeroed again): one
         for the forward calls with routing given, one for those from router logits (the single
         launch's bands by T are several entries; a call at another T replaces the kept one,
@@ -286,7 +292,8 @@ class Variant:
         if slot is not None and not reuse:
             self._kept.pop(slot, None)  # (one kept workspace per slot: the last T's)
             keep_ws = {n: t for n, t in ws.items() if n not in fresh}
-            if sum(t.numel() * t.element_size() for t in keep_ws.values()) <= KEEP_WORKSPACE_BYTES:
+            cap = KEEP_TRAINING_BYTES if slot[0] in _TRAINING_ENTRIES else KEEP_WORKSPACE_BYTES
+            if sum(t.numel() * t.element_size() for t in keep_ws.values()) <= cap:
                 self._kept[slot] = (tokens, keep_ws, zero_init, entry)
         for name in used.intersection(self._state_shapes):
             ws[name] = self._state_buffer(name, device)
