@@ -252,3 +252,44 @@ def test_run_forks_side_kernels_onto_the_variants_second_stream_and_joins_the_ca
     caller.waits.clear()
     v.run("fwd", {"x": 0}, "cuda:0", skip={"send"})  # (no side kernel left: the caller's stream alone)
     assert [(n, s) for n, _, s in launched] == [("a", 7), ("b", 7)] and caller.waits == []
+
+
+def test_an_entrys_launches_read_their_pointers_and_extents_from_one_bound_array(monkeypatch):
+    """Variant.run's usual path (every launcher a Launcher): one pointer array and one extent
+    array per call, each kernel's entry point given the address of its own slice; the pointers
+    are the bound tensors', the extents their symbolic dimensions'; a launch error names its
+    kernel."""
+    import ctypes
+
+    import torch
+
+    from mokgen.runtime.library import LaunchError, Launcher
+
+    seen = []
+
+    def launcher(name, n_args, dyn):
+        la = object.__new__(Launcher)
+        la.name, la._dyn = name, dyn
+        la._err = lambda err: b"an error"
+
+        def raw(data, extents, stream):
+            ptrs = list((ctypes.c_void_p * n_args).from_address(data))
+            seen.append((name, [p or 0 for p in ptrs], list((ctypes.c_int32 * len(dyn)).from_address(extents)),
+                         stream))
+            return 0 if name != "bad" else 700
+        la.raw = raw
+        return la
+
+    v, _ = _bare_variant(monkeypatch, {"fwd": ["a", "b", "c"], "oops": ["a", "bad"]},
+                         {"a": ["x", "w"], "b": ["w"], "c": ["out", "x"], "bad": ["w"]})
+    v.launchers = {"a": launcher("a", 2, [(0, 0)]), "b": launcher("b", 1, []), "c": launcher("c", 2, [(0, 0), (1, 0)]),
+                   "bad": launcher("bad", 1, [])}
+    env = {"x": torch.zeros(5, 3), "w": torch.zeros(2, 2), "out": torch.zeros(7, 3)}
+    p = {n: t.data_ptr() for n, t in env.items()}
+    v.run("fwd", env, "cuda:0")
+    assert seen == [("a", [p["x"], p["w"]], [5], 7), ("b", [p["w"]], [], 7), ("c", [p["out"], p["x"]], [7, 5], 7)]
+    seen.clear()
+    v.run("fwd", env, "cuda:0", skip={"a"})
+    assert [s[0] for s in seen] == ["b", "c"] and seen[1][2] == [7, 5]
+    with pytest.raises(LaunchError, match="kernel bad failed to launch: an error"):
+        v.run("oops", env, "cuda:0")

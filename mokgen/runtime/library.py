@@ -60,6 +60,11 @@ class Launcher:
         # ctypes array types made once (making one per launch showed in the host profile)
         self._data_t = ctypes.c_void_p * len(self.args)
         self._dyn_t = ctypes.c_int32 * max(1, len(self._dyn))
+        # The same entry point taking raw addresses (a function object of its own): BoundEntry
+        # passes each kernel its slice of one pointer array made for the whole entry.
+        self.raw = lib[f"mokgen_{self.name}_launch"]
+        self.raw.restype = ctypes.c_int
+        self.raw.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 
     def check(self, tensors) -> None:
         """Shape/contiguity check of the bound tensors (cheap, host-only)."""
@@ -79,11 +84,44 @@ class Launcher:
         dyn = self._dyn_t(*[tensors[i].shape[d] for i, d in self._dyn])
         err = self._fn(data, dyn, stream)
         if err:
-            raise LaunchError(
-                f"kernel {self.name} failed to launch: {self._err(err).decode()} (cudaError {err}); "
-                "an error from an earlier kernel surfaces here too (a generated kernel traps when a "
-                "pipeline wait exceeds its timeout), and the CUDA context is then unusable"
-            )
+            self.fail(err)
+
+    def fail(self, err: int) -> None:
+        raise LaunchError(
+            f"kernel {self.name} failed to launch: {self._err(err).decode()} (cudaError {err}); "
+            "an error from an earlier kernel surfaces here too (a generated kernel traps when a "
+            "pipeline wait exceeds its timeout), and the CUDA context is then unusable"
+        )
+
+
+_POINTER, _EXTENT = ctypes.sizeof(ctypes.c_void_p), ctypes.sizeof(ctypes.c_int32)
+
+
+class BoundEntry:
+    """An entry point's kernels, launched in order from one array of pointers and one of
+    extents made per call, each kernel given its slice by address. Binding each launch's
+    arguments into two ctypes arrays of its own was most of a launch's host time on the GPU
+    machines (docs/perf.md); the shim's entry points are the same."""
+
+    def __init__(self, launchers: list, bound: list):
+        """launchers: the kernels' Launchers, in order; bound: the env name of each one's
+        arguments."""
+        self.kernels, self.tensors, self.extents = [], [], []
+        for launcher, names in zip(launchers, bound):
+            self.kernels.append((launcher.raw, launcher, len(self.tensors) * _POINTER, len(self.extents) * _EXTENT))
+            self.tensors += names
+            self.extents += [(names[i], d) for i, d in launcher._dyn]
+        self._data_t = ctypes.c_void_p * max(1, len(self.tensors))
+        self._dyn_t = ctypes.c_int32 * max(1, len(self.extents))
+
+    def __call__(self, env: dict, stream: int) -> None:
+        data = self._data_t(*[env[n].data_ptr() for n in self.tensors])
+        dyn = self._dyn_t(*[env[n].shape[d] for n, d in self.extents])
+        base, dyn_base = ctypes.addressof(data), ctypes.addressof(dyn)
+        for raw, launcher, offset, dyn_offset in self.kernels:
+            err = raw(base + offset, dyn_base + dyn_offset, stream)
+            if err:
+                launcher.fail(err)
 
 
 def cuda_stream(device: torch.device) -> int:
@@ -120,4 +158,4 @@ class on_device:
         return False
 
 
-__all__ = ["LaunchError", "Launcher", "open_library", "cuda_stream", "on_device"]
+__all__ = ["BoundEntry", "LaunchError", "Launcher", "open_library", "cuda_stream", "on_device"]
