@@ -293,3 +293,35 @@ def test_an_entrys_launches_read_their_pointers_and_extents_from_one_bound_array
     assert [s[0] for s in seen] == ["b", "c"] and seen[1][2] == [7, 5]
     with pytest.raises(LaunchError, match="kernel bad failed to launch: an error"):
         v.run("oops", env, "cuda:0")
+
+
+def test_on_device_switches_the_current_device_and_restores_it(monkeypatch):
+    """on_device(t.device) makes t's device current inside (the kernels launch on the current
+    device's context) and restores the caller's after, also when the body raises; a device
+    without an index stays on the current one."""
+    import torch
+
+    from mokgen.runtime.library import on_device
+
+    current = [1]
+
+    def exchange(index):  # (as torch's: a negative index changes nothing and returns -1)
+        if index < 0:
+            return -1
+        prev, current[0] = current[0], index
+        return prev
+
+    maybe_exchange = exchange
+
+    monkeypatch.setattr(torch.cuda, "_exchange_device", exchange)
+    monkeypatch.setattr(torch.cuda, "_maybe_exchange_device", maybe_exchange)
+    with on_device(torch.device("cuda", 3)):
+        assert current == [3]
+    assert current == [1]
+    with pytest.raises(RuntimeError), on_device(torch.device("cuda", 0)):
+        assert current == [0]
+        raise RuntimeError("a failed launch")
+    assert current == [1]
+    with on_device(torch.device("cuda")):
+        assert current == [1]
+    assert current == [1]
