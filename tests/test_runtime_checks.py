@@ -325,3 +325,25 @@ def test_on_device_switches_the_current_device_and_restores_it(monkeypatch):
     with on_device(torch.device("cuda")):
         assert current == [1]
     assert current == [1]
+
+
+def test_a_single_launch_passes_its_own_arrays_by_address():
+    """Launcher.__call__ (the status launch, wrapped benchmarks): the same entry point as
+    BoundEntry's, given the addresses of an array of its tensors' pointers and of their
+    symbolic extents."""
+    import ctypes
+
+    import torch
+
+    from mokgen.runtime.library import Launcher
+
+    seen = []
+    la = object.__new__(Launcher)
+    la.name, la._dyn = "k", [(1, 0)]
+    la._data_t, la._dyn_t = ctypes.c_void_p * 2, ctypes.c_int32 * 1
+    la.raw = lambda data, extents, stream: seen.append(
+        ([p or 0 for p in (ctypes.c_void_p * 2).from_address(data)], ctypes.c_int32.from_address(extents).value,
+         stream)) or 0
+    a, b = torch.zeros(3), torch.zeros(9, 2)
+    la([a, b], 5)
+    assert seen == [([a.data_ptr(), b.data_ptr()], 9, 5)]

@@ -47,9 +47,11 @@ class Launcher:
     def __init__(self, lib: ctypes.CDLL, kernel: dict):
         self.name = kernel["name"]
         self.args = kernel["args"]
-        self._fn = getattr(lib, f"mokgen_{self.name}_launch")
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p]
+        # The shim's entry point, given the addresses of the pointer and extent arrays: a launch
+        # makes its own arrays; BoundEntry passes each kernel its slice of one made per entry.
+        self.raw = getattr(lib, f"mokgen_{self.name}_launch")
+        self.raw.restype = ctypes.c_int
+        self.raw.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._err = lib.mokgen_error_string
         self._err.restype = ctypes.c_char_p
         self._err.argtypes = [ctypes.c_int]
@@ -60,11 +62,6 @@ class Launcher:
         # ctypes array types made once (making one per launch showed in the host profile)
         self._data_t = ctypes.c_void_p * len(self.args)
         self._dyn_t = ctypes.c_int32 * max(1, len(self._dyn))
-        # The same entry point taking raw addresses (a function object of its own): BoundEntry
-        # passes each kernel its slice of one pointer array made for the whole entry.
-        self.raw = lib[f"mokgen_{self.name}_launch"]
-        self.raw.restype = ctypes.c_int
-        self.raw.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 
     def check(self, tensors) -> None:
         """Shape/contiguity check of the bound tensors (cheap, host-only)."""
@@ -82,7 +79,7 @@ class Launcher:
     def __call__(self, tensors, stream: int) -> None:
         data = self._data_t(*[t.data_ptr() for t in tensors])
         dyn = self._dyn_t(*[tensors[i].shape[d] for i, d in self._dyn])
-        err = self._fn(data, dyn, stream)
+        err = self.raw(ctypes.addressof(data), ctypes.addressof(dyn), stream)
         if err:
             self.fail(err)
 

@@ -251,14 +251,13 @@ class Variant:
         the peer workspace's sizes) but those the caller gives, then the peer workspace's own.
         keep: a workspace of at most KEEP_WORKSPACE_BYTES (a training entry's: KEEP_TRAINING_BYTES)
         is kept for the next call of the same entry and T on the same device and stream, which
-        stream order makes safe (no kernel
-        reads a per-call buffer before writing it; zero-initialised ones are zeroed again): one
-        for the forward calls with routing given, one for those from router logits (the single
-        launch's bands by T are several entries; a call at another T replaces the kept one,
-        whichever band it takes), one for each training entry. fresh: buffers the call hands
-        on (the training forward's saved tensors, which autograd holds until the backward):
-        allocated every call, never kept. Never while a CUDA graph is captured, in poison or
-        profiling mode."""
+        stream order makes safe (no kernel reads a per-call buffer before writing it;
+        zero-initialised ones are zeroed again): one for the forward calls with routing given,
+        one for those from router logits (the single launch's bands by T are several entries; a
+        call at another T replaces the kept one, whichever band it takes), one for each training
+        entry. fresh: buffers the call hands on (the training forward's saved tensors, which
+        autograd holds until the backward): allocated every call, never kept. Never while a CUDA
+        graph is captured, in poison or profiling mode."""
         slot = None
         if keep and peers is None and not given and not self.poison and not self.profiling \
                 and not torch.cuda.is_current_stream_capturing():
@@ -364,27 +363,26 @@ class Variant:
             self._status_event.record()
 
     @functools.lru_cache(maxsize=64)
-    def _steps(self, entry: str) -> tuple:
+    def _steps(self, entry: str, skip: frozenset) -> tuple:
         """(name, the tensors it binds, whether it runs on the side stream) of each kernel of
-        an entry, in the Plan's order: looked up once, not at every call. (The launchers are
-        looked up at the call: a benchmark may wrap them.)"""
+        an entry but those skipped, in the Plan's order: looked up once, not at every call.
+        (The launchers are looked up at the call: a benchmark may wrap them.)"""
         return tuple((n, tuple(a["tensor"] for a in self.kernels[n]["args"]), n in self._side_kernels)
-                     for n in self.plan["steps"][entry])
+                     for n in self.plan["steps"][entry] if n not in skip)
 
     @functools.lru_cache(maxsize=64)
     def _bound(self, entry: str, skip: frozenset) -> BoundEntry:
-        steps = [s for s in self._steps(entry) if s[0] not in skip]
+        steps = self._steps(entry, skip)
         return BoundEntry([self.launchers[n] for n, _, _ in steps], [names for _, names, _ in steps])
 
-    def run(self, entry: str, env: dict, device, skip=()) -> None:
-        steps = self._steps(entry)
-        if skip:
-            steps = tuple(s for s in steps if s[0] not in skip)
+    def run(self, entry: str, env: dict, device, skip=frozenset()) -> None:
+        skip = frozenset(skip)
+        steps = self._steps(entry, skip)
         try:
             if not any(side for *_, side in steps):  # one stream: the caller's
                 stream, launchers = cuda_stream(device), self.launchers
                 if all(type(launchers[name]) is Launcher for name, _, _ in steps):
-                    self._bound(entry, frozenset(skip))(env, stream)
+                    self._bound(entry, skip)(env, stream)
                     return
                 for name, names, _ in steps:  # (a benchmark wrapped some launchers)
                     launchers[name]([env[n] for n in names], stream)
