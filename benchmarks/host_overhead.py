@@ -1,6 +1,6 @@
 """Host time of one forward call, apart from the GPU's: is a small eager call host-bound?
 
-    python benchmarks/host_overhead.py [--variant V] [--tokens T,T,...] [--calls N] [--rounds R] [--train] [--profile]
+    python benchmarks/host_overhead.py [--variant V] [--tokens T,T,...] [--calls N] [--rounds R] [--train] [--parts] [--profile]
 
 For each T: the GPU time (CUDA-graph replay), the eager time (CUDA events around calls made
 back to back, as `mokgen bench` times them), the wall-clock time per call of calls made back to
