@@ -23,7 +23,8 @@ x, topk_weights and the three weights): through `mokgen.moe` (the eager binding,
 runtime/eager.py), through the variant's torch custom op (`ops.forward_train`, what
 torch.compile traces), whose dispatch the eager binding avoids, and through
 torch.cuda.make_graphed_callables over `mokgen.moe` (the forward and the backward each one
-CUDA graph replay).
+CUDA graph replay), and through torch.compile(mokgen.moe, mode="reduce-overhead") (the custom
+ops in torch's CUDA graphs).
 """
 import argparse
 import collections
@@ -136,10 +137,17 @@ for i, T in enumerate(int(t) for t in args.tokens.split(",")):
             return mokgen.moe(*a, check_ids=False)
 
         graphed = torch.cuda.make_graphed_callables(moe, (leaves[0], ids, *leaves[1:]))
+        compiled = torch.compile(moe, mode="reduce-overhead")
+
+        def compiled_step():
+            torch.compiler.cudagraph_mark_step_begin()  # (the last step's outputs are not read again)
+            return step(compiled)
+
         calls = {
             "step, mokgen.moe": lambda: step(moe),
             "step, custom op": lambda: step(lambda *a: v.ops.forward_train(*a)[0]),
             "step, CUDA graphs": lambda: step(graphed),
+            "step, compiled": compiled_step,
         }
         same = [torch.equal(a, b) for fn in list(calls.values())[1:] for a, b in zip(calls["step, mokgen.moe"](), fn())]
         print(f"T={T}: the steps' gradients equal bit for bit: {all(same)}", flush=True)

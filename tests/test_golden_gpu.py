@@ -858,6 +858,58 @@ def test_moe_module_matches_torch_reference_module(fused_routing, gen):
         assert rel_error(ours(x[:1]), ref(x[:1])) <= TOL
 
 
+def test_torch_compile_with_cuda_graphs_gives_the_eager_bits(gen):
+    """torch.compile(mode="reduce-overhead"): torch's CUDA graphs over the custom ops, whose
+    first calls run eagerly with memory from the graph pool that torch resets (a buffer kept for
+    the next call there would be memory torch hands out again, and it refuses such a graph).
+    Training steps through mokgen.moe, with new inputs and routings each step and at two T (a
+    graph each), and inference at a T the single launch serves (its state buffer), give the
+    eager calls' output and gradients bit for bit; a mokgen.MoE block compiled likewise trains
+    within the tolerance of the eager block (inductor may round the router's softmax otherwise)."""
+    import mokgen
+    from mokgen.reference import rel_error
+
+    shape = SHAPES[3]
+    E, K, H, I, _ = shape
+
+    def moe(*a):
+        return mokgen.moe(*a, check_ids=False)
+
+    compiled = torch.compile(moe, mode="reduce-overhead")
+    for T in (61, 200):
+        for step, routing in enumerate(("uniform", "skewed", "dropped")):
+            x, ids, w, wg, wu, wd, _ = make_inputs(shape, T, routing, gen)
+            dout = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
+            want = autograd_grads(moe, x, ids, w, wg, wu, wd, dout)
+            torch.compiler.cudagraph_mark_step_begin()
+            got = {k: t.clone() for k, t in autograd_grads(compiled, x, ids, w, wg, wu, wd, dout).items()}
+            assert all(torch.equal(got[k], want[k]) for k in want), (T, routing)
+    x, ids, w, wg, wu, wd, _ = make_inputs(shape, 64, "skewed", gen)
+    with torch.no_grad():
+        want = moe(x, ids, w, wg, wu, wd)
+        for _ in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            assert torch.equal(compiled(x, ids, w, wg, wu, wd), want)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item()))
+    eager = mokgen.MoE(H, I, E, K, renormalize=True, device="cuda")
+    module = mokgen.MoE(H, I, E, K, renormalize=True, device="cuda")
+    module.load_state_dict(eager.state_dict())
+    block = torch.compile(module, mode="reduce-overhead")
+    for step in range(3):
+        x = torch.randn(97, H, device="cuda", generator=gen).to(torch.bfloat16)
+        got = []
+        for m, params in ((eager, list(eager.parameters())), (block, list(module.parameters()))):
+            torch.compiler.cudagraph_mark_step_begin()
+            for p in params:
+                p.grad = None
+            xi = x.clone().requires_grad_(True)
+            y = m(xi)
+            (y.float() ** 2).mean().backward()
+            got.append([y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in params])
+        assert all(rel_error(a, b) <= TOL for a, b in zip(*got)), step
+    mokgen.check_errors()
+
+
 @pytest.mark.parametrize("shape, fused_routing", [(SHAPES[3], False), (SHAPES[3], True), (SHAPES[4], False)],
                          ids=["e40-torch_routing", "e40-fused_routing", "e16_shared-torch_routing"])
 def test_training_steps_replay_as_cuda_graphs(shape, fused_routing, gen):

@@ -347,3 +347,82 @@ def test_a_single_launch_passes_its_own_arrays_by_address():
     a, b = torch.zeros(3), torch.zeros(9, 2)
     la([a, b], 5)
     assert seen == [([a.data_ptr(), b.data_ptr()], 9, 5)]
+
+
+def _workspace_variant(monkeypatch):
+    """A Variant without a library whose entry "fwd" uses a per-call buffer and a state buffer,
+    on the CPU (where its buffers' bookkeeping runs just the same)."""
+    from mokgen.runtime import variant as V
+
+    v = object.__new__(V.Variant)
+    v.name = "v"
+    v.plan = {"steps": {"fwd": ["k"]},
+              "buffers": [dict(name="rows", dtype="i32", shape=["2*T"], init="none"),
+                          dict(name="sync", dtype="i32", shape=[4], init="zeros", memory="state")]}
+    v.kernels = {"k": {"args": [{"tensor": "rows"}, {"tensor": "sync"}]}}
+    v._buffer_fns = V.call_buffer_fns(v.plan)
+    v._state_shapes = {"sync": (torch.int32, (4,))}
+    v._state, v._kept = {}, {}
+    v.poison = v.profiling = v.expert_parallel = False
+    monkeypatch.setattr(V, "cuda_stream", lambda device: 7)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return v
+
+
+def test_calls_inside_the_custom_ops_keep_nothing_and_own_their_state_buffers(monkeypatch):
+    """Inside per_call_memory (the custom ops, which torch.compile's graphs call: with
+    mode="reduce-overhead" a graph's first calls allocate from a CUDA-graph pool that torch
+    resets) a call's buffers and its launches' state buffers are its own: nothing it allocates
+    outlives it in the variant, and what the eager calls keep is left as it was."""
+    from mokgen.runtime import variant as V
+
+    v = _workspace_variant(monkeypatch)
+    cpu = torch.device("cpu")
+    first = v._workspace(5, cpu, "fwd", keep=True)
+    assert first["rows"].shape == (10,) and v._kept and v._state
+    again = v._workspace(5, cpu, "fwd", keep=True)
+    assert again["rows"] is first["rows"] and again["sync"] is first["sync"]
+    kept, state = dict(v._kept), dict(v._state)
+    with V.per_call_memory():
+        own = v._workspace(5, cpu, "fwd", keep=True)
+        other_t = v._workspace(3, cpu, "fwd", keep=True)
+    assert own["rows"] is not first["rows"] and own["sync"] is not first["sync"]
+    assert torch.equal(own["sync"], torch.zeros(4, dtype=torch.int32))
+    assert other_t["rows"].shape == (6,)
+    assert v._kept == kept and v._state == state
+    with pytest.raises(RuntimeError):  # (the mode ends with its block, also on an error)
+        with V.per_call_memory():
+            raise RuntimeError
+    assert v._workspace(5, cpu, "fwd", keep=True)["rows"] is first["rows"]
+
+
+def test_every_custom_op_runs_its_variant_call_with_per_call_memory(monkeypatch):
+    """The custom ops' implementations (what compiled graphs call) run the variant's entry
+    points inside per_call_memory; the eager binding's calls do not."""
+    from mokgen.runtime import variant as V
+
+    seen = {}
+
+    def entry(name, result):
+        def call(*args, **kwargs):
+            seen[name] = V._PER_CALL_MEMORY.get()
+            return result()
+        return call
+
+    x = torch.zeros(3, 4)
+    v = object.__new__(V.Variant)
+    v.name = "per_call_memory_probe"
+    v.forward = entry("forward", lambda: x.clone())
+    v.forward_train = entry("forward_train", lambda: tuple(x.clone() for _ in range(9)))
+    v.backward = entry("backward", lambda: tuple(x.clone() for _ in range(5)) + (None,) * 3)
+    v.forward_routed = entry("forward_routed", lambda: (x.clone(), x.clone(), x.clone()))
+    ops = V._register_ops(v)
+    ids, w = torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
+    ops.forward(x, ids, w, x, x, x)
+    ops.forward_train(x, ids, w, x, x, x)
+    ops.backward(x, x, ids, w, x, x, x, None, None, None, [])
+    ops.forward_routed(x, x, x, x, x)
+    assert seen == dict(forward=True, forward_train=True, backward=True, forward_routed=True)
+    seen.clear()
+    v.forward(x)
+    assert seen == dict(forward=False) and V._PER_CALL_MEMORY.get() is False

@@ -7,6 +7,7 @@ so a call can be captured in a CUDA graph.
 """
 
 
+import contextvars
 import ctypes
 import functools
 import json
@@ -44,6 +45,28 @@ KEEP_WORKSPACE_BYTES = 64 << 20
 KEEP_TRAINING_BYTES = 256 << 20
 # Entries whose kept workspace has a slot of its own (Variant._workspace).
 _TRAINING_ENTRIES = ("forward_train", "backward", "backward_recompute")
+# Set while a custom op runs (what torch.compile's graphs call): the call takes every buffer
+# for itself, the launches' state buffers too, and keeps nothing for the next call. With
+# mode="reduce-overhead", torch runs a graph's first calls eagerly with allocations drawn
+# from the CUDA-graph pool it later resets and hands out again, so a buffer that outlived such
+# a call would be memory torch considers free (it refuses the graph: "tensor(s) in the
+# cudagraph pool not tracked as outputs"), and torch.cuda.is_current_stream_capturing()
+# cannot tell those calls from eager ones.
+_PER_CALL_MEMORY = contextvars.ContextVar("mokgen_per_call_memory", default=False)
+
+
+class per_call_memory:
+    """`with per_call_memory():` the variant calls inside allocate every buffer per call."""
+
+    __slots__ = ("token",)
+
+    def __enter__(self):
+        self.token = _PER_CALL_MEMORY.set(True)
+        return self
+
+    def __exit__(self, *exc):
+        _PER_CALL_MEMORY.reset(self.token)
+        return False
 
 
 class VariantNotBuilt(RuntimeError):
@@ -257,9 +280,11 @@ class Variant:
         call at another T replaces the kept one, whichever band it takes), one for each training
         entry. fresh: buffers the call hands on (the training forward's saved tensors, which
         autograd holds until the backward): allocated every call, never kept. Never while a CUDA
-        graph is captured, in poison or profiling mode."""
+        graph is captured, inside a custom op (per_call_memory: its state buffers are the call's
+        own too), in poison or profiling mode."""
         slot = None
-        if keep and peers is None and not given and not self.poison and not self.profiling \
+        per_call = _PER_CALL_MEMORY.get()
+        if keep and not per_call and peers is None and not given and not self.poison and not self.profiling \
                 and not torch.cuda.is_current_stream_capturing():
             kind = "routed" if "routed" in entry else entry if entry in _TRAINING_ENTRIES else "given"
             slot = (kind, device, cuda_stream(device))
@@ -295,7 +320,7 @@ class Variant:
             if sum(t.numel() * t.element_size() for t in keep_ws.values()) <= cap:
                 self._kept[slot] = (tokens, keep_ws, zero_init, entry)
         for name in used.intersection(self._state_shapes):
-            ws[name] = self._state_buffer(name, device)
+            ws[name] = self._state_buffer(name, device, per_call)
         if peers is not None:
             ws.update(peers.buffers)
         return ws
@@ -305,7 +330,10 @@ class Variant:
         gets them back in stream order, and the next call allocates again."""
         self._kept.clear()
 
-    def _state_buffer(self, name: str, device):
+    def _state_buffer(self, name: str, device, per_call: bool = False):
+        if per_call:  # (zeroed, as a kept one is between calls)
+            dt, shape = self._state_shapes[name]
+            return torch.zeros(shape, dtype=dt, device=device)
         key = (name, device, cuda_stream(device))
         if key not in self._state:
             dt, shape = self._state_shapes[name]
@@ -727,7 +755,8 @@ def _register_ops(v: Variant):
     def forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                 ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None,
                 ws_down: Optional[Tensor] = None) -> Tensor:
-        return Ops.variant.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        with per_call_memory():
+            return Ops.variant.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
     @forward.register_fake
     def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
@@ -739,8 +768,9 @@ def _register_ops(v: Variant):
                  saved: list[Tensor]) -> list[Tensor]:
         """The gradients (5, or 8 with a shared expert): see Variant.backward. saved: what
         forward_train saved, or [] (dispatch again and recompute)."""
-        grads = Ops.variant.backward(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                                     saved or None)
+        with per_call_memory():
+            grads = Ops.variant.backward(dout, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up,
+                                         ws_down, saved or None)
         return [g for g in grads if g is not None]
 
     @backward.register_fake
@@ -774,7 +804,8 @@ def _register_ops(v: Variant):
                       w_down: Tensor, ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None,
                       ws_down: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                  Tensor, Tensor, Tensor]:
-        return Ops.variant.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        with per_call_memory():
+            return Ops.variant.forward_train(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
     @forward_train.register_fake
     def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
@@ -797,7 +828,8 @@ def _register_ops(v: Variant):
     def forward_routed(x: Tensor, logits: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                        ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None,
                        ws_down: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-        return Ops.variant.forward_routed(x, logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        with per_call_memory():
+            return Ops.variant.forward_routed(x, logits, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
     @forward_routed.register_fake
     def _(x, logits, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
