@@ -266,9 +266,13 @@ class MoE(nn.Module):
         return out if shared is None else out + expert_ffn(x2, *shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] bf16 (under torch.autocast, any float dtype: cast to bf16, as autocast
+        casts a matmul's inputs); returns bf16 of x's shape. The router runs in fp32 either way."""
+        x = self._bf16_input(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        logits = self.router(x2.float())
+        with torch.autocast(x.device.type, enabled=False):  # (fp32 routing, whatever the caller's autocast)
+            logits = self.router(x2.float())
         fp8 = self.spec.dtype == "fp8" and not self.reference
         if self.fused_routing and not self.reference and self.group is None and not torch.is_grad_enabled() \
                 and not fp8:
@@ -306,6 +310,17 @@ class MoE(nn.Module):
                     *(shared or (None, None, None)))
             out = self._ops.layer(*args, recompute=self.recompute)
         return out.reshape(shape)
+
+    @staticmethod
+    def _bf16_input(x):
+        if not isinstance(x, torch.Tensor) or x.dtype == torch.bfloat16 or not x.is_floating_point():
+            return x  # (the layer's checks name anything else)
+        if torch.is_autocast_enabled(x.device.type):
+            return x.to(torch.bfloat16)
+        from .runtime.checks import InputError
+
+        raise InputError(f"mokgen.MoE takes bf16 input (its experts are bf16), got {x.dtype}: cast it "
+                         "(x.bfloat16()) or run the block under torch.autocast")
 
     def extra_repr(self) -> str:
         s = self.spec

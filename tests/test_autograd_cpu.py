@@ -317,3 +317,26 @@ def test_the_module_pickles_without_its_loaded_ops():
         assert again._ops is None and again._routed_ops is None and again.recompute and again.spec == m.spec
         assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), m.state_dict().values()))
     assert m._ops is not None  # (the original keeps its own)
+
+
+def test_the_module_takes_other_float_input_under_autocast_only_and_routes_in_fp32():
+    """mokgen.MoE under torch.autocast casts its float input to bf16 as autocast casts a
+    matmul's inputs, returns bf16, and keeps its router in fp32 (the same routing, so the same
+    output as bf16 input without autocast); without autocast, fp32 input is a clear error."""
+    import mokgen
+    from mokgen.runtime.checks import InputError
+
+    torch.manual_seed(0)
+    m = mokgen.MoE(256, 128, 8, 2, shared_intermediate=128, reference=True)
+    x = torch.randn(2, 5, 256)
+    with pytest.raises(InputError, match="bf16 input.*float32.*autocast"):
+        m(x)
+    want = m(x.bfloat16())
+    xg = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m(xg)
+        logits = m.router(xg.reshape(-1, 256).float())
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape and torch.equal(got, want)
+    assert logits.dtype == torch.bfloat16  # (what the router would have done inside autocast)
+    got.float().sum().backward()
+    assert xg.grad.dtype == torch.float32 and m.router.weight.grad is not None

@@ -858,6 +858,40 @@ def test_moe_module_matches_torch_reference_module(fused_routing, gen):
         assert rel_error(ours(x[:1]), ref(x[:1])) <= TOL
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_and_autocast_give_the_blocks_bits(reentrant, gen):
+    """A mokgen.MoE block under torch.utils.checkpoint (its forward run again in the backward,
+    so the training forward's saved tensors are made twice; with use_reentrant=True the first
+    forward runs without autograd, through the inference path) gives the plain block's output
+    and gradients bit for bit; so does fp32 input under bf16 autocast (cast to bf16, the router
+    kept in fp32), its input gradient the bf16 one in fp32."""
+    import mokgen
+    from torch.utils.checkpoint import checkpoint
+
+    E, K, H, I, S = SHAPES[4]
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item()))
+    block = mokgen.MoE(H, I, E, K, shared_intermediate=S, renormalize=True, device="cuda")
+    x = torch.randn(2, 77, H, device="cuda", generator=gen)
+    dy = torch.randn(2, 77, H, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def run(fn, inp):
+        for p in block.parameters():
+            p.grad = None
+        inp = inp.clone().requires_grad_(True)
+        y = fn(inp)
+        y.backward(dy)
+        return [y.detach()] + [inp.grad] + [p.grad.clone() for p in block.parameters()]
+
+    want = run(block, x.bfloat16())
+    got = run(lambda inp: checkpoint(block, inp, use_reentrant=reentrant), x.bfloat16())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        cast = run(lambda inp: checkpoint(block, inp, use_reentrant=reentrant), x)
+    assert cast[1].dtype == torch.float32 and torch.equal(cast[1], want[1].float())
+    assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(cast, want)) if i != 1)
+    mokgen.check_errors()
+
+
 def test_torch_compile_with_cuda_graphs_gives_the_eager_bits(gen):
     """torch.compile(mode="reduce-overhead"): torch's CUDA graphs over the custom ops, whose
     first calls run eagerly with memory from the graph pool that torch resets (a buffer kept for
