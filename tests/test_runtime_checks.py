@@ -426,3 +426,33 @@ def test_every_custom_op_runs_its_variant_call_with_per_call_memory(monkeypatch)
     seen.clear()
     v.forward(x)
     assert seen == dict(forward=False) and V._PER_CALL_MEMORY.get() is False
+
+
+def test_what_a_training_forward_hands_on_is_carved_from_one_allocation(monkeypatch):
+    """The buffers an eager call hands on (fresh: the training forward's saved tensors) are
+    views of one allocation, each starting at a multiple of CARVE_ALIGN bytes, apart and of
+    their own dtype and shape; inside a custom op (outputs may not alias) each is its own
+    allocation; in poison mode each is filled."""
+    from mokgen.runtime import variant as V
+
+    v = _workspace_variant(monkeypatch)
+    v.plan["buffers"] += [dict(name="ga", dtype="bf16", shape=["T", 3], init="none"),
+                          dict(name="pos", dtype="i32", shape=["T", 2], init="none")]
+    v.kernels["k"]["args"] += [{"tensor": "ga"}, {"tensor": "pos"}]
+    v._buffer_fns = V.call_buffer_fns(v.plan)
+    cpu = torch.device("cpu")
+    ws = v._workspace(5, cpu, "fwd", keep=True, fresh=("ga", "pos"))
+    ga, pos = ws["ga"], ws["pos"]
+    assert (ga.dtype, ga.shape, pos.dtype, pos.shape) == (torch.bfloat16, (5, 3), torch.int32, (5, 2))
+    assert ga.untyped_storage().data_ptr() == pos.untyped_storage().data_ptr()
+    base = ga.untyped_storage().data_ptr()  # (CUDA's allocator aligns it to 512 bytes; the CPU's less)
+    assert (ga.data_ptr() - base, pos.data_ptr() - base) == (0, V.CARVE_ALIGN)
+    assert all(n not in kept for _, kept, *_ in v._kept.values() for n in ("ga", "pos"))
+    again = v._workspace(5, cpu, "fwd", keep=True, fresh=("ga", "pos"))
+    assert again["rows"] is ws["rows"] and again["ga"].data_ptr() != ga.data_ptr()
+    with V.per_call_memory():
+        own = v._workspace(5, cpu, "fwd", keep=True, fresh=("ga", "pos"))
+    assert own["ga"].untyped_storage().data_ptr() != own["pos"].untyped_storage().data_ptr()
+    v.poison = True
+    poisoned = v._workspace(5, cpu, "fwd", fresh=("ga", "pos"))
+    assert poisoned["ga"].isnan().all() and (poisoned["pos"] == -1).all()

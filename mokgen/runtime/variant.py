@@ -182,6 +182,23 @@ def check_offsets(variant: str, shapes, tokens: int) -> None:
                          f"batch into calls of at most {lo} tokens")
 
 
+# Where carved() starts each buffer in its block: TMA and the kernels' 16-byte accesses need
+# 16 bytes; a cache line's worth costs nothing.
+CARVE_ALIGN = 256
+
+
+def carved(buffers, device) -> dict:
+    """{name: tensor} for (name, dtype, shape) buffers, each a view of one uint8 allocation,
+    starting at a multiple of CARVE_ALIGN bytes."""
+    offsets, end = [], 0
+    for name, dt, shape in buffers:
+        offsets.append(end)
+        end += -(-math.prod(shape) * dt.itemsize // CARVE_ALIGN) * CARVE_ALIGN
+    block = torch.empty(end, dtype=torch.uint8, device=device)
+    return {name: block[at:at + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+            for (name, dt, shape), at in zip(buffers, offsets)}
+
+
 class Variant:
     def __init__(self, path: "Path"):
         self.path = Path(path)
@@ -214,6 +231,7 @@ class Variant:
         # ("given" | "routed" | a training entry, device, stream) -> (T, buffers, the zero-initialised
         # ones, entry): _workspace
         self._kept: dict = {}
+        self._empties: dict = {}  # (device, dtype) -> a zero-size tensor: _empty
         self.expert_parallel = self.spec.world_size > 1
         self._side_kernels = frozenset(self.plan.get("side_stream", ()))
         self._own_streams: dict = {}  # device -> (main, side): the streams of a two-stream entry
@@ -302,6 +320,9 @@ class Variant:
             self.check_offsets(tokens, sizes)
         if not reuse or fresh:
             zeroed = self.plan.get("zeroed", {}).get(entry, ())
+            # What the call hands on comes from one allocation (an allocation is several us of
+            # a small step's host time), but inside a custom op, whose outputs may not alias.
+            carve = [] if fresh and not per_call else None
             for name, dt, shape, init in self.buffer_shapes(tokens, sizes):
                 if name not in used or (reuse and name not in fresh):
                     continue
@@ -311,8 +332,12 @@ class Variant:
                         zero_init.append(ws[name])
                 elif self.poison:
                     ws[name] = torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=device)
+                elif carve is not None and name in fresh:
+                    carve.append((name, dt, shape))
                 else:
                     ws[name] = torch.empty(shape, dtype=dt, device=device)
+            if carve:
+                ws.update(carved(carve, device))
         if slot is not None and not reuse:
             self._kept.pop(slot, None)  # (one kept workspace per slot: the last T's)
             keep_ws = {n: t for n, t in ws.items() if n not in fresh}
@@ -324,6 +349,13 @@ class Variant:
         if peers is not None:
             ws.update(peers.buffers)
         return ws
+
+    def _empty(self, x):
+        """A zero-size tensor of x's dtype and device, made once (nothing is ever written to it)."""
+        key = (x.device, x.dtype)
+        if key not in self._empties:
+            self._empties[key] = x.new_empty(0)
+        return self._empties[key]
 
     def release_workspaces(self) -> None:
         """Drop the buffers kept for the next small call (see _workspace); torch's allocator
@@ -608,9 +640,11 @@ class Variant:
         out = torch.empty_like(x)
         with on_device(x.device):
             env = self._workspace(tokens, x.device, "forward_train", peers, keep=True, fresh=self.saved_names)
-            # (A missing shared expert's entries are empty tensors, each its own: outputs of a
-            # custom op may not alias one another.)
-            saved = tuple(env[n] if n in env else x.new_empty(0) for n in self.saved_names)
+            # (A missing shared expert's entries are empty tensors, each its own inside a custom
+            # op, whose outputs may not alias one another; one, made once, for eager calls.)
+            per_call = _PER_CALL_MEMORY.get()
+            saved = tuple(env[n] if n in env else x.new_empty(0) if per_call else self._empty(x)
+                          for n in self.saved_names)
             if tokens == 0 and not self.expert_parallel:  # (a rank without tokens still serves its peers)
                 return (out,) + saved
             self._check_status(wait=False)
