@@ -123,6 +123,10 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, ws_gate=None, ws_up=
     skipped during CUDA graph capture. Unchecked out-of-range ids contribute nothing and are
     reported by the device: mokgen.check_errors() or the next call raises InputError.
 
+    Under torch.compile (mode="reduce-overhead" too) it runs as the variant's custom ops; an
+    eager call of the same sizes before the first compiled one (or mokgen.MoE, which finds its
+    build when it is made) spares a graph break at the lookup of the build.
+
     Differentiable in x, topk_weights and the weights. Under autograd it saves the inputs and
     the SwiGLU inputs x @ w_gate^T, x @ w_up^T (2 x ~T*K x I bf16, + 2 x T x Is with a shared
     expert); recompute=True saves the inputs only and the backward recomputes the rest (one
