@@ -7,7 +7,8 @@ import sympy
 
 from mokgen.ir import PRESETS, MoESpec, forward_graph
 from mokgen.schedule import H200, Plan, PlanError, choose_gemm_tiling, make_plan
-from mokgen.schedule.plan import L2_EVICT_LAST, SWAP_ACC_MAX, SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS, check_plan
+from mokgen.schedule.plan import (L2_EVICT_LAST, SWAP_ACC_MAX, SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS,
+                                  check_plan)
 
 SPECS = list(PRESETS.values()) + [MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
                                   MoESpec(experts=1, topk=1, hidden=64, intermediate=64)]
@@ -366,6 +367,38 @@ def test_swapped_tiles_rows_evict_last():
     assert not any(k.params.get("rows_evict_last") for k in make_plan(spec, overrides={"rows_evict_last": False}).kernels)
     with pytest.raises(PlanError):
         make_plan(spec, overrides={"rows_evict_last": "yes"})
+
+
+def test_weight_pairs_where_two_k_blocks_fit():
+    """Weight pairs (the TMA thread loads two 64-wide K blocks' weights together) go to the swapped
+    tiles of 64-wide K blocks whose every K is a whole number of pairs and whose stages leave one
+    to spare beside the lagged gathers (else the producer would wait on itself); never to the
+    32-row tiles' 128-wide K blocks nor the plain launch. Override weight_pairs: true asks for
+    them wherever they fit, false for none."""
+    spec = PRESETS["olmoe"]
+
+    def paired(plan):
+        return {k.name for k in plan.kernels if k.params.get("weight_pairs")}
+
+    on = make_plan(spec, overrides={"weight_pairs": True})
+    assert paired(on) == {f"gemm_fused_n{n}{t}" for n in (64, 96, 160) for t in ("", "_routed")}
+    for k in on.kernels:
+        if k.params.get("weight_pairs"):
+            assert k.params["tile_k"] == 64 and k.params["gather_lag"] <= k.params["stages"] - 3
+    assert any("two 64-wide K blocks" in d for d in on.decisions)
+    # By default where measured to pay: tiles of up to 64 token rows in layers with a long weight
+    # stream (not E40 K6 H1536 I640, 1.5 gate/up tiles per SM).
+    assert paired(make_plan(spec)) == {"gemm_fused_n64", "gemm_fused_n64_routed"}
+    e40 = MoESpec(experts=40, topk=6, hidden=1536, intermediate=640)
+    assert not paired(make_plan(e40)) and "gemm_fused_n64" in paired(make_plan(e40, overrides={"weight_pairs": True}))
+    assert not paired(make_plan(spec, overrides={"weight_pairs": False}))
+    # A lag that leaves no stage to spare, and an odd number of K blocks, keep single loads.
+    lagged = make_plan(spec, overrides={"weight_pairs": True, "gemm_fused_n64.gather_lag": 3})
+    assert "gemm_fused_n64" not in paired(lagged) and "gemm_fused_n96" in paired(lagged)
+    odd = MoESpec(experts=64, topk=8, hidden=2048, intermediate=576)  # 9 K blocks of 64 in the down tiles
+    assert not paired(make_plan(odd, overrides={"weight_pairs": True}))
+    with pytest.raises(PlanError):
+        make_plan(spec, overrides={"weight_pairs": 1})
 
 
 def test_overrides_are_checked_and_recorded():

@@ -910,12 +910,20 @@ class GemmFusedN64Routed:
                         tokens[j] = cutlass.max(tok, 0)  # padding rows (-1) load row 0
                     for kt in cutlass.range(k_tiles, unroll=1):
                         if warp_idx == 0:
-                            failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
-                            if not failed:
-                                ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
-                                bar = ab_pipeline.producer_get_barrier(prod_state)
-                                cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
-                                cute.copy(tma_b1, tBgB1[(None, n_tile, kt, expert)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                            if kt % 2 == 0:  # (weight pairs: this stage's and the next's loads together)
+                                pair_state = prod_state.clone()
+                                pair_state.advance()
+                                failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
+                                failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(pair_state.index), pair_state.phase, status, SITE_STAGE_FREE, failed)
+                                if not failed:
+                                    ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
+                                    bar = ab_pipeline.producer_get_barrier(prod_state)
+                                    cute.copy(tma_b0, tBgB0[(None, n_tile, kt, expert)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                                    cute.copy(tma_b1, tBgB1[(None, n_tile, kt, expert)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                                    ab_pipeline.producer_acquire(pair_state, cutlass.Boolean(True))  # waited above
+                                    bar = ab_pipeline.producer_get_barrier(pair_state)
+                                    cute.copy(tma_b0, tBgB0[(None, n_tile, kt + 1, expert)], tBsB0[(None, pair_state.index)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                                    cute.copy(tma_b1, tBgB1[(None, n_tile, kt + 1, expert)], tBsB1[(None, pair_state.index)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
                         else:
                             failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
                         for j in cutlass.range_constexpr(rows_per_thread):
@@ -956,17 +964,30 @@ class GemmFusedN64Routed:
                             failed = wait_count_bounded(h_ready.iterator + m_tile, N_TILES, status, failed, SITE_H_READY)
                     for kt in cutlass.range(k_tiles_now, unroll=1):
                         if warp_idx == 0:
-                            failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
-                            if not failed:
-                                ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
-                                bar = ab_pipeline.producer_get_barrier(prod_state)
-                                if lane == 0:
-                                    cute.arch.mbarrier_expect_tx(bar, a_bytes)  # A comes by TMA too
-                                stage = prod_state.index
-                                if kind == DOWN:
-                                    cute.copy(tma_a2, tA2gA2[(None, m_tile, kt, 0)], tA2sA[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(ROWS_L2_POLICY))
-                                    cute.copy(tma_d, tDgD[(None, 2 * n_tile, kt, expert)], tDsB0[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
-                                    cute.copy(tma_d, tDgD[(None, 2 * n_tile + 1, kt, expert)], tDsB1[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                            if kt % 2 == 0:  # (weight pairs: this stage's and the next's loads together)
+                                pair_state = prod_state.clone()
+                                pair_state.advance()
+                                failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
+                                failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(pair_state.index), pair_state.phase, status, SITE_STAGE_FREE, failed)
+                                if not failed:
+                                    ab_pipeline.producer_acquire(prod_state, cutlass.Boolean(True))  # waited above
+                                    bar = ab_pipeline.producer_get_barrier(prod_state)
+                                    if lane == 0:
+                                        cute.arch.mbarrier_expect_tx(bar, a_bytes)  # A comes by TMA too
+                                    stage = prod_state.index
+                                    if kind == DOWN:
+                                        cute.copy(tma_a2, tA2gA2[(None, m_tile, kt, 0)], tA2sA[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(ROWS_L2_POLICY))
+                                        cute.copy(tma_d, tDgD[(None, 2 * n_tile, kt, expert)], tDsB0[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                                        cute.copy(tma_d, tDgD[(None, 2 * n_tile + 1, kt, expert)], tDsB1[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                                    ab_pipeline.producer_acquire(pair_state, cutlass.Boolean(True))  # waited above
+                                    bar = ab_pipeline.producer_get_barrier(pair_state)
+                                    if lane == 0:
+                                        cute.arch.mbarrier_expect_tx(bar, a_bytes)  # A comes by TMA too
+                                    stage = pair_state.index
+                                    if kind == DOWN:
+                                        cute.copy(tma_a2, tA2gA2[(None, m_tile, kt + 1, 0)], tA2sA[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(ROWS_L2_POLICY))
+                                        cute.copy(tma_d, tDgD[(None, 2 * n_tile, kt + 1, expert)], tDsB0[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
+                                        cute.copy(tma_d, tDgD[(None, 2 * n_tile + 1, kt + 1, expert)], tDsB1[(None, stage)], tma_bar_ptr=bar, cache_policy=cutlass.Int64(WEIGHT_L2_POLICY))
                         else:
                             failed = wait_bounded(ab_pipeline.sync_object_empty.get_barrier(prod_state.index), prod_state.phase, status, SITE_STAGE_FREE, failed)
                         # No gather: an empty cp.async group keeps the lagged per-warp arrivals

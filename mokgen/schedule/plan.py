@@ -271,6 +271,31 @@ L2_EVICT_FIRST = 0x12F0000000000000
 SWAP_ROWS_EVICT_LAST = True
 # The L2 cache-policy word of an evict-last TMA load or store (CUTLASS's CacheHintSm90.EVICT_LAST).
 L2_EVICT_LAST = 0x14F0000000000000
+# Weight pairs (override weight_pairs): in swapped tiles of 64-wide K blocks the TMA thread waits
+# for two free stages and issues both K blocks' weight loads back to back, so each weight row is
+# read 2 x 128 bytes at a time, as the 32-row tiles' 128-wide K blocks read it (HBM serves 256
+# bytes a row 3% faster than 128, benchmarks/weight_stream.py), where two 128-wide stages are all
+# that would fit. Measured on H200 (CUDA graphs, 4 interleaved rounds, the same bits, docs/perf.md):
+# E64 K8 H2048 I1024's 64-row tiles 1.029x / 1.025x / 1.029x at T = 200 / 256 / 375, its 96- and
+# 160-row tiles 0.983x / 0.973x at T = 512 / 1024 (L2, not HBM, bounds those); E40 K6 H1536 I640's
+# 64-row tiles (1.5 gate/up tiles per SM) 0.983x / 0.990x at T = 320 / 426. So by default: tiles of
+# up to SWAP_WEIGHT_PAIRS_MAX_ROWS token rows, in layers of at least SWAP_MIN_WAVES gate/up tiles
+# per SM (whose weight stream is long enough to be HBM-bound).
+SWAP_WEIGHT_PAIRS = True
+SWAP_WEIGHT_PAIRS_MAX_ROWS = 64
+
+
+def pairs_fit(params: dict) -> bool:
+    """Whether a swapped tile's producer can load its weights two K blocks at a time: 64-wide K
+    blocks, an even number of them in every tile kind's K, and a stage to spare beside the
+    lagged gathers (warp 0 waits for the stage after the one it fills, whose consumers wait
+    for the fills this warp has not yet arrived on: GATHER_LAG <= STAGES - 3, one more than
+    without pairs)."""
+    ks = [params["k_size"], params["n_size"]] + ([params["s_size"]] if params.get("s_size") else [])
+    return (params["tile_k"] == TILE_K and all(k % (2 * TILE_K) == 0 for k in ks)
+            and params["gather_lag"] <= params["stages"] - 3 and params.get("cluster_m", 1) == 1)
+
+
 # Gathered stages in flight per producer warp in swapped tiles of up to SWAP_GATHER_LAG_MAX_ROWS
 # token rows (where their stages allow it): the weight loads of the next stages are issued by
 # a warp that also gathers, and one gathered stage in flight held them back. Measured on H200
@@ -795,10 +820,18 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                 k.params = dict(k.params, weights_evict_first=True, weight_l2_policy=L2_EVICT_FIRST)
             if (overrides or {}).get("rows_evict_last", SWAP_ROWS_EVICT_LAST):
                 k.params = dict(k.params, rows_evict_last=True, rows_l2_policy=L2_EVICT_LAST)
+            pairs = (overrides or {}).get("weight_pairs")
+            if pairs is None:  # (the default: where they were measured to pay)
+                pairs = SWAP_WEIGHT_PAIRS and k.params["tile_m"] <= SWAP_WEIGHT_PAIRS_MAX_ROWS \
+                    and not weight_starved(spec, target.sms)
+            if pairs and pairs_fit(k.params):
+                k.params = dict(k.params, weight_pairs=True)
     for param, what in (("weights_evict_first", "weight loads evict-first in L2 (an expert's rows fit one tile, so "
                                                 "each weight byte is read once; x, h and y keep their lines)"),
                         ("rows_evict_last", "h and y rows evict-last in L2 (the down tiles read h again, the "
-                                            "combine y)")):
+                                            "combine y)"),
+                        ("weight_pairs", "weight loads of two 64-wide K blocks issued together (each weight row "
+                                         "read 256 bytes at a time)")):
         marked = [k.name for k in kernels if k.params.get(param) and not k.name.endswith("_routed")]
         if marked:
             decisions.append(f"{', '.join(marked)} (and their routing twins): {what}")
@@ -893,6 +926,11 @@ SWAP_MIN_WAVES = 3
 SMALL_ROWS_PER_EXPERT = 48
 
 
+def weight_starved(spec: MoESpec, sms: int) -> bool:
+    """Whether a layer has fewer than SWAP_MIN_WAVES swapped gate/up tiles per SM."""
+    return spec.local_experts * spec.intermediate // SWAP_TILE_N < SWAP_MIN_WAVES * sms
+
+
 def launch_bands(spec: MoESpec, row_tile: int, sms: int, in_launch: bool, overrides: dict) -> tuple[list, str]:
     """([(max_tokens, rows)], why): the single launch's tiles by token count, rows the swapped
     tiles' token rows (0: the plain launch, row_tile rows), in increasing max_tokens up to
@@ -907,7 +945,7 @@ def launch_bands(spec: MoESpec, row_tile: int, sms: int, in_launch: bool, overri
     unfit = fused_misfit(spec.hidden, spec.intermediate, 0, SWAP_TILE_N)  # (its weight tiles are SWAP_TILE_N rows)
     if unfit:
         return [], f"no swapped tiles: {unfit}"
-    starved = spec.local_experts * spec.intermediate // SWAP_TILE_N < SWAP_MIN_WAVES * sms
+    starved = weight_starved(spec, sms)
     spread = 0 if starved else SWAP_SPREAD
     sizes = {n for n in overrides.get("swap_rows", SWAP_ROWS) if n < row_tile or not starved} | {row_tile}
     bands: list = []
@@ -1202,7 +1240,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
-                           r"|weights_evict_first|rows_evict_last"
+                           r"|weights_evict_first|rows_evict_last|weight_pairs"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
@@ -1218,7 +1256,7 @@ def check_overrides(overrides: dict) -> None:
         if key in ("debug_unchecked", "debug_break_dependency", "debug_break_dispatch", "profile", "fuse_gemms", "dispatch_chunked",
                    "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch",
                    "fused_small", "launch_local_count", "launch_chunked", "weights_evict_first",
-                   "rows_evict_last"):
+                   "rows_evict_last", "weight_pairs"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
