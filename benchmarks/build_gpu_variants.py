@@ -81,6 +81,11 @@ for shape in (SHAPES[0], SHAPES[3]):
 for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[3])] + specs[-1:]:
     build(spec, default_out() / "experiments" / "nosmall", overrides={"fused_small": False}, force=force,
           log=lambda m: None)
+# Without weight pairs (the 64-row tiles' weights one K block at a time): compare_experiment.py
+# nopairs times the default build's pairs against it.
+for spec in (spec_of(SHAPES[0]), MoESpec(experts=128, topk=8, hidden=2048, intermediate=768)):
+    build(spec, default_out() / "experiments" / "nopairs", overrides={"weight_pairs": False}, force=force,
+          log=lambda m: None)
 print(f"[{len(specs) + len(ep_specs) + 1}/{len(specs) + len(ep_specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)
 for name, (overrides, *_) in BROKEN_BUILDS.items():
     build(spec_of(SHAPES[0]), deadlock_dir(name), overrides=overrides, force=force, log=lambda m: None)

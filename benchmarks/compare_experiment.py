@@ -9,8 +9,8 @@ the median over rounds of the two builds' ratio within a round.
     python benchmarks/compare_experiment.py NAME [--variant V] [--tokens T,T,...]
                                             [--rounds R] [--eager] [--json PATH]
 
-NAME is fused, cluster2, per_expert, multi, apart, wave or nosmall (the Plan without the single
-launch's bands by T: its plain 128-row tiles at every T), or any other directory under
+NAME is fused, cluster2, per_expert, multi, apart, wave, nosmall (the Plan without the single
+launch's bands by T: its plain 128-row tiles at every T) or nopairs (without weight pairs), or any other directory under
 generated/experiments; several names, comma-separated, are timed side by side in the same rounds, each against the default build.
 V defaults to the OLMoE layer. --eager also times the builds called directly (launch overhead
 included).
