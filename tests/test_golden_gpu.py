@@ -366,6 +366,8 @@ BROKEN_BUILDS = {
                           "gemm_fused", "h_ready"),
     "broken_dispatch": ({"fuse_gemms": True, "debug_break_dispatch": True, "wait_timeout_ms": 500}, 64,
                         "gemm_fused", "dispatch inside the launch"),
+    "broken_combine": ({"fuse_gemms": True, "combine_early": True, "debug_break_combine": True, "wait_timeout_ms": 500},
+                       64, "gemm_fused", "combine task"),
 }
 
 

@@ -1,6 +1,7 @@
 import json
 import math
 import random
+import re
 
 import pytest
 import sympy
@@ -401,6 +402,29 @@ def test_weight_pairs_where_two_k_blocks_fit():
         make_plan(spec, overrides={"weight_pairs": 1})
 
 
+def test_combine_early_waits_per_token():
+    """By default (override combine_early: true) every single launch that combines (the bands and their routing
+    twins) claims its combine tasks from a tile counter of its own and waits per token for the
+    down tiles of its rows (counted in h_ready); not with a shared expert (every token needs all
+    of ys) nor over several GPUs (the returned rows have their own wait)."""
+    spec = PRESETS["olmoe"]
+    on = make_plan(spec)  # (the default)
+    early = [k for k in on.kernels if k.params.get("combine_early")]
+    combining = [k for k in on.kernels if k.params.get("fused") and k.params.get("combine")]
+    assert early and early == combining
+    slots = int(next(b for b in on.buffers if b.name == "tile_counters").shape[0])
+    (slot,) = {k.params["combine_slot"] for k in early}
+    taken = {k.params[key] for k in on.kernels for key in ("sched_slot", "used_slot", "done_slot") if key in k.params}
+    assert slot < slots - 1 and slot not in taken  # a counter of its own, before the status slot
+    assert any("waits until the M tiles of the token's rows" in d for d in on.decisions)
+    assert not [k for k in make_plan(spec, overrides={"combine_early": False}).kernels if k.params.get("combine_early")]
+    shared = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
+    assert not [k for k in make_plan(shared, overrides={"combine_early": True}).kernels
+                if k.params.get("combine_early")]
+    with pytest.raises(PlanError):
+        make_plan(spec, overrides={"combine_early": "yes"})
+
+
 def test_overrides_are_checked_and_recorded():
     spec = PRESETS["olmoe"]
     p = make_plan(spec, overrides={"gemm_down.tile_n": 128}, override_source="a test")
@@ -587,7 +611,7 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
     k = p.kernel("gemm_fused")
     assert [a.tensor for a in k.args] == ["x", "row_token", "w_gate", "w_up", "tile_expert", "tile_counters",
                                           "w_down", "h", "y", "h_ready", "topk_ids", "topk_weights", "pos", "out",
-                                          "counts", "launch_sync", "launch_hist"]
+                                          "counts", "launch_sync", "launch_hist", "status_host"]  # (its last CTA mirrors the status)
     sync = next(b for b in p.buffers if b.name == "launch_sync")
     assert sync.memory == "state" and sync.shape == ["5"]  # counted, placed, passed, routed, laid out (EP)
     # Its dispatch phase runs by chunks of pairs, one step of the launch's threads each (E64 K8:
@@ -606,7 +630,7 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
     assert "chunk" not in wide.params["dispatch"]
     routed = p.kernel("gemm_fused_routed")
     assert p.steps["forward_routed"] == ["gemm_fused_routed"] and routed.params["route"]["experts"] == spec.experts
-    assert [a.tensor for a in routed.args] == [a.tensor for a in k.args] + ["logits"]
+    assert [a.tensor for a in routed.args] == [a.tensor for a in k.args][:-1] + ["logits", "status_host"]
     assert k.params["dispatch"]["experts"] == spec.experts and k.params["dispatch"]["threads"] == k.block
     assert any(d.startswith("gemm_fused also dispatches") for d in p.decisions)
     # dispatch_in_launch: false keeps the two dispatch kernels before the launch.
@@ -628,7 +652,9 @@ def test_fused_gemms_plan_links_the_tiles_through_counters():
     assert [a.tensor for a in apart.kernel("dispatch_scatter").args][-2:] == ["tile_counters", "h_ready"]
     counters = next(b for b in p.buffers if b.name == "tile_counters")
     assert k.params["combine"] and k.params["done_slot"] == k.params["used_slot"] + 1
-    assert int(counters.shape[0]) == k.params["used_slot"] + 3 == k.params["status_slot"] + 1
+    # (then the early combine's task counter and the count of finished CTAs)
+    assert k.params["combine_slot"] == k.params["used_slot"] + 2 and k.params["finished_slot"] == k.params["used_slot"] + 3
+    assert int(counters.shape[0]) == k.params["used_slot"] + 5 == k.params["status_slot"] + 1
     # A profiling build is the same launch (it dispatches and combines): each CTA records its
     # dispatch and combine phases in the rows before the tiles'.
     prof = make_plan(spec, overrides={"fuse_gemms": True, "profile": True})
@@ -650,10 +676,11 @@ def test_fused_launch_runs_the_shared_experts_tiles_too():
     assert p.steps["forward"] == ["gemm_fused"]
     assert not any(k.name.startswith("shared_") for k in p.kernels)
     k = p.kernel("gemm_fused")
-    assert [a.tensor for a in k.args][-12:-7] == ["ws_gate", "ws_up", "ws_down", "hs", "ys"]
+    assert [a.tensor for a in k.args][-13:-8] == ["ws_gate", "ws_up", "ws_down", "hs", "ys"]
     assert k.params["s_size"] == 768 and k.params["shared_slot"] == k.params["used_slot"] + 1
     counters = next(b for b in p.buffers if b.name == "tile_counters")
-    assert int(counters.shape[0]) == k.params["status_slot"] + 1 == k.params["done_slot"] + 2 == k.params["shared_slot"] + 3
+    assert int(counters.shape[0]) == k.params["status_slot"] + 1 == k.params["done_slot"] + 3 == k.params["shared_slot"] + 4
+    assert not k.params.get("combine_early") and k.params["finished_slot"] == k.params["done_slot"] + 1
     tasks = make_plan(spec, overrides={"fuse_gemms": True, "profile": True}).buffers
     prof = next(b for b in tasks if b.name == "prof_gemm_fused")  # room for the shared tiles' records
     assert int(sympy.sympify(prof.shape[0]).subs("T", 128)) >= 9 * (512 // 128 + 4) + (768 // 128 + 4)
@@ -736,3 +763,21 @@ def test_single_launch_tiles_by_tokens():
     assert (narrow["mma_warpgroups"], narrow["tile_k"], narrow["stages"], narrow["n2_tiles"]) == (1, 128, 4, 16)
     with pytest.raises(PlanError, match="swapped tiles: N tile 256"):
         make_plan(spec, overrides={"gemm_fused_n64.tile_n": 256})
+
+
+def test_single_launch_mirrors_its_error_code():
+    """Every single launch that dispatches itself on one GPU (the bands and their routing twins)
+    takes the runtime's pinned host word and a counter of finished CTAs, so its entry is one
+    launch with no status_mirror behind it; the per-GEMM path keeps status_mirror. Override
+    mirror_status: false keeps the launch behind every entry."""
+    spec = PRESETS["olmoe"]
+    plan = make_plan(spec)
+    mirrored = {k.name for k in plan.kernels if k.params.get("mirror_status")}
+    assert mirrored == {n for entry, names in plan.steps.items()
+                        if re.fullmatch(r"forward_(fused|routed|n\d+|routed_n\d+)", entry) for n in names}
+    for name in mirrored:
+        k = plan.kernel(name)
+        assert k.args[-1].tensor == "status_host"
+        assert k.params["finished_slot"] not in {k.params["sched_slot"], k.params["used_slot"], k.params["done_slot"]}
+    assert "status_mirror" in {k.name for k in plan.kernels}  # (the per-GEMM forward, the backward)
+    assert not [k for k in make_plan(spec, overrides={"mirror_status": False}).kernels if k.params.get("mirror_status")]

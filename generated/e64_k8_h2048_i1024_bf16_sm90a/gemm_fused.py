@@ -43,11 +43,17 @@ w_down's rows; A = h rows by TMA). Dependencies, with no grid-wide barrier:
     fences the async proxy before its TMA loads of h.
 A tile only waits on tiles claimed before it, and those never wait on later ones: no deadlock.
 
-The combine runs here too: every down tile's store warp raises tile_counter[11] (release)
-once its stores are complete. A CTA with no tile left waits (acquire, bounded) until all
-down tiles are stored, then its consumer warps reduce token rows t = CTA, CTA + grid, ...:
-out[t] = bf16(sum over k = 0..7 in order of w[t,k] * y[pos[t,k]]), fp32, the combine
-kernel's order and so its bits.
+The combine runs here too, beside the last down tiles: every down tile's store warp adds 1 to
+h_ready[m] (release) once its stores are complete, so h_ready[m] = 8 + 8 once M tile m's
+rows of y are whole. A consumer warp with no tile left claims (token row, part) tasks from
+tile_counter[12] in token order, waits (acquire, bounded; lane k reads the count of the M
+tile of the token's k-th row) until every M tile that holds one of the token's rows is whole,
+then reduces: out[t] = bf16(sum over k = 0..7 in order of w[t,k] * y[pos[t,k]]), fp32, the
+combine kernel's order and so its bits, whichever warp sums it.
+
+The call's error code: each CTA, once all its threads are done, adds 1 to tile_counter[13]
+(acq_rel); the last copies a set code (tile_counter[15]) to the runtime's pinned host
+word, so no status_mirror launch follows this one.
 """
 import cuda.bindings.driver as cuda
 
@@ -90,6 +96,10 @@ COMBINE_UNROLL = 2  # a lane's pieces of a task loaded (from all K rows) before 
 DONE_SLOT = 11  # tile_counter entry: finished down tiles (the combine waits for all)
 TOPK = 8
 COMBINE_EXPERTS = GROUPS  # ids outside [0, COMBINE_EXPERTS) contribute nothing
+FINISHED_SLOT = 13  # tile_counter entry: CTAs of the launch that are done (the last mirrors the status)
+COMBINE_SLOT = 12  # tile_counter entry: the next combine task a free warp claims
+DOWN_STORED = N_TILES + N2_TILES  # h_ready[m] once every gate/up and down tile of M tile m is stored
+SITE_COMBINE = 8  # a combine task waited for the down tiles of its token's rows
 GATHER_A = True
 GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
@@ -103,7 +113,7 @@ SCHED_READERS = WG_THREADS // 32 + CONSUMER_THREADS // 32
 SITE_H_READY = 4  # a down tile waited for its gate/up tiles (fused launch)
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: give up, report it
 STATUS_POLL_NS = 1000000  # a wait this long also checks whether another thread already gave up
-STATUS_SLOT = 13  # tile_counter entry for the launch's error code (0: none)
+STATUS_SLOT = 15  # tile_counter entry for the launch's error code (0: none)
 ERROR_BASE = 48  # error code = ERROR_BASE + site: which kernel, which wait
 SITE_STAGE_FULL = 1  # a consumer waited for a loaded stage
 SITE_STAGE_FREE = 2  # the producer waited for a stage to be released
@@ -240,6 +250,53 @@ def wait_count_bounded(counter: cute.Pointer, target: cutlass.Int32, status: cut
     return gave_up
 
 
+@cute.jit
+def claim_task(counter: cute.Pointer, lane: cutlass.Int32) -> cutlass.Int32:
+    """(one warp) The next combine task: lane 0 claims it, every lane gets it."""
+    task = cutlass.Int32(0)
+    if lane == 0:
+        task = cute.arch.atomic_add(counter, cutlass.Int32(1), sem="relaxed", scope="gpu")
+    return cute.arch.shuffle_sync(task, 0)
+
+
+@cute.jit
+def wait_token_rows(h_ready: cute.Tensor, rows_pos: cute.Tensor, lane: cutlass.Int32, status: cute.Pointer,
+                    failed: cutlass.Boolean) -> cutlass.Boolean:
+    """(one warp) Spin until every M tile that holds one of a token's rows has all its down
+    tiles stored: lane k < TOPK watches h_ready of row rows_pos[k]'s M tile (acquire, GPU
+    scope), so the K counters are read in one round trip; bounded like wait_count_bounded
+    (SITE_COMBINE). Returns whether the warp gave up, the same in every lane; then the lanes'
+    reads of y are ordered after the acquires."""
+    m = cutlass.Int32(-1)
+    for k in cutlass.range_constexpr(TOPK):
+        if lane == k and rows_pos[k] >= 0:  # (-1: a slot with no row waits for nothing)
+            m = rows_pos[k] // TILE_MNK[0]
+    ready = cutlass.Boolean(True)
+    if m >= 0 and not failed:
+        ready = cute.arch.load(h_ready.iterator + m, cutlass.Int32, sem="acquire", scope="gpu") >= DOWN_STORED
+    gave_up = failed
+    all_ready = cute.arch.vote_all_sync(ready)
+    if not all_ready:
+        start = cute.arch.globaltimer()
+        while not all_ready:
+            if not ready:
+                ready = cute.arch.load(h_ready.iterator + m, cutlass.Int32, sem="acquire", scope="gpu") >= DOWN_STORED
+            if not ready:
+                waited = cute.arch.globaltimer() - start
+                if waited > WAIT_TIMEOUT_NS:
+                    cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_BASE + SITE_COMBINE),
+                                         sem="relaxed", scope="gpu")
+                    ready = True
+                    gave_up = True
+                elif waited > STATUS_POLL_NS:
+                    if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
+                        ready = True
+                        gave_up = True
+            all_ready = cute.arch.vote_all_sync(ready)
+    cute.arch.fence_acq_rel_gpu()  # each lane's acquire covers every lane's reads of y
+    return cute.arch.vote_any_sync(gave_up)
+
+
 
 D_EXPERTS = 64
 D_TOPK = 8
@@ -247,7 +304,7 @@ D_TILE_M = 128
 D_TILE_ALIGN = 1  # each expert's M tiles are padded to a multiple of this (GEMM cluster size)
 D_ITEMS = 4  # pairs per thread and step of the compaction
 D_WARPS = THREADS // 32
-D_STATUS_SLOT = 13  # tile_counters entry for the call's error code (0: none)
+D_STATUS_SLOT = 15  # tile_counters entry for the call's error code (0: none)
 D_BAD_IDS = 1  # error code: some topk_ids were outside [0, D_EXPERTS) and not EMPTY
 D_EMPTY = -1  # the id of an empty slot (a dropped pair): no row, no error
 D_USED_SLOT = 10  # tile_counters entry: the fused launch's used M tiles
@@ -795,6 +852,7 @@ class GemmFused:
         counts: cute.Tensor,
         launch_sync: cute.Tensor,
         chunk_hist: cute.Tensor,
+        status_host: cute.Tensor,
         stream: cuda.CUstream,
     ):
         m_rows = c.shape[0]
@@ -866,6 +924,7 @@ class GemmFused:
             cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * D_TOPK)),
             cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * D_TOPK)),
             counts, launch_sync, chunk_hist,
+            status_host,
             self.tiled_mma,
             self.a_smem_staged,
             self.b_smem_staged,
@@ -902,6 +961,7 @@ class GemmFused:
         counts: cute.Tensor,
         launch_sync: cute.Tensor,
         chunk_hist: cute.Tensor,
+        status_host: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -1279,28 +1339,26 @@ class GemmFused:
                             store_pipeline.producer_acquire()
                         epi_barrier.arrive_and_wait()
                     epi_count = epi_count + epi_tiles
-                    # Count this down tile for the combine: the tile's TMA stores are complete in global memory
+                    # Count this down tile for the combine of its M tile's rows: the tile's TMA stores are complete in global memory
                     # before the release increment that tiles waiting on it acquire.
                     if store_warp:
                         cute.arch.cp_async_bulk_wait_group(0)
                         cute.arch.fence_proxy("async.global")
                         cute.arch.sync_warp()
                         if cute.arch.lane_idx() == 0:
-                            cute.arch.atomic_add(down_done, cutlass.Int32(1), sem="release", scope="gpu")
+                            cute.arch.atomic_add(h_ready.iterator + m_tile, cutlass.Int32(1), sem="release", scope="gpu")
                 sched_i = sched_i + 1
                 tile = sched_read(sched_bar, sched_tile, sched_i, status)
             if store_warp:
                 store_pipeline.producer_tail()
             # ---------------- combine (consumer warps, once no tile is left) ----------------
-            if ctid == 0:
-                failed = wait_count_bounded(down_done, down_total, status, failed, SITE_H_READY)
-            epi_barrier.arrive_and_wait()
-            cute.arch.fence_acq_rel_gpu()  # thread 0's acquire covers this thread's reads of y
-            # One (token row, part) task per consumer warp at a time (tasks CTA * warps + warp,
-            # then strided by all the launch's consumer warps); the task's K ids, positions and
-            # weights are read once, and each lane keeps up to COMBINE_UNROLL x TOPK row loads in
-            # flight: this CTA has only its consumer warps to hide the latency of y, where a combine
-            # kernel has a full SM of them.
+            # One (token row, part) task per consumer warp at a time, claimed from
+            # tile_counter[COMBINE_SLOT] as warps run out of tiles, in token order; a task waits
+            # only for the down tiles of its own rows (wait_token_rows), so the combine runs
+            # beside the last down tiles. Who sums a task does not change its bits.
+            # The task's K ids, positions and weights are read once, and each lane keeps up to
+            # COMBINE_UNROLL x TOPK row loads in flight: this CTA has only its consumer warps to
+            # hide the latency of y, where a combine kernel has a full SM of them.
             block, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
             lane = cute.arch.lane_idx()
@@ -1315,8 +1373,9 @@ class GemmFused:
                 if combine_rows * COMBINE_PARTS[d] <= grid * (CONSUMER_THREADS // 32):
                     parts = cutlass.Int32(COMBINE_PARTS[d])
             part_vecs = N2_SIZE // VEC // parts  # 16-byte pieces (VEC elements) of a part
-            for task in cutlass.range(block * (CONSUMER_THREADS // 32) + cwarp, combine_rows * parts,
-                                      grid * (CONSUMER_THREADS // 32), unroll=1):
+            tasks = combine_rows * parts
+            task = claim_task(tile_counter.iterator + COMBINE_SLOT, lane)
+            while task < tasks:
                 t = task // parts
                 part = task % parts
                 for k in cutlass.range_constexpr(TOPK):
@@ -1327,6 +1386,7 @@ class GemmFused:
                         rows_pos[k] = -1
                     if rows_pos[k] < 0:  # (sum_rows_piece: a skipped row's weight is 0)
                         rows_w[k] = 0.0
+                failed = wait_token_rows(h_ready, rows_pos, lane, status, failed)
                 for col in cutlass.range(part * part_vecs + lane, (part + 1) * part_vecs, 32, unroll=COMBINE_UNROLL):
                     acc = cute.make_rmem_tensor((1, VEC), cutlass.Float32)
                     pieces = []
@@ -1338,6 +1398,20 @@ class GemmFused:
                                         cutlass.Float32(0.0))
                         acc.store(acc.load() + yk * rows_w[k])  # a skipped row: + 0 * 0 (its weight is 0)
                     cute.local_tile(out, (1, VEC), (t, col)).store(acc.load().to(cutlass.BFloat16))
+                task = claim_task(tile_counter.iterator + COMBINE_SLOT, lane)
+        # The call's error code (0: none) to the runtime's pinned host word, which the device
+        # addresses directly: once every thread of this CTA is done (none records an error
+        # after this), thread 0 counts the CTA (acq_rel), and the launch's last CTA copies a
+        # set code. That is the status_mirror launch's work, without a launch of its own.
+        cute.arch.sync_threads()
+        if tidx == 0:
+            grid_ctas, _, _ = cute.arch.grid_dim()
+            finished = cute.arch.atomic_add(tile_counter.iterator + FINISHED_SLOT, cutlass.Int32(1), sem="acq_rel",
+                                            scope="gpu")
+            if finished == grid_ctas - 1:
+                code = cute.arch.load(tile_counter.iterator + STATUS_SLOT, cutlass.Int32, sem="relaxed", scope="gpu")
+                if code != 0:
+                    status_host[0] = code
 
 
 def compile_entry(fake, entry):
@@ -1352,5 +1426,6 @@ def compile_entry(fake, entry):
     args += [fake("c2"), fake("h_ready")]
     args += [fake("ids"), fake("weights"), fake("pos"), fake("out")]
     args += [fake("counts"), fake("launch_sync")] + [fake("chunk_hist")]
+    args.append(fake("status_host"))
     args.append(fake.stream())
     return GemmFused(), tuple(args)

@@ -207,7 +207,8 @@ int mokgen_gemm_fused_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_gemm_fused_Tensor_counts_t arg_counts = {data[14]};
     mokgen_gemm_fused_Tensor_launch_sync_t arg_launch_sync = {data[15]};
     mokgen_gemm_fused_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
-    return cute_dsl_mokgen_gemm_fused_wrapper(&mod_gemm_fused, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, (cudaStream_t)stream);
+    mokgen_gemm_fused_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_wrapper(&mod_gemm_fused, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_routed: gemm stage, gemm_fused_routed.py:main */
@@ -240,7 +241,8 @@ int mokgen_gemm_fused_routed_launch(void **data, const int32_t *dyn, void *strea
     mokgen_gemm_fused_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
     mokgen_gemm_fused_routed_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
     mokgen_gemm_fused_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
-    return cute_dsl_mokgen_gemm_fused_routed_wrapper(&mod_gemm_fused_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, (cudaStream_t)stream);
+    mokgen_gemm_fused_routed_Tensor_status_host_t arg_status_host = {data[18]};
+    return cute_dsl_mokgen_gemm_fused_routed_wrapper(&mod_gemm_fused_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n32: gemm stage, gemm_fused_n32.py:main */
@@ -271,7 +273,8 @@ int mokgen_gemm_fused_n32_launch(void **data, const int32_t *dyn, void *stream) 
     mokgen_gemm_fused_n32_Tensor_out_t arg_out = {data[13], {dyn[9]}};
     mokgen_gemm_fused_n32_Tensor_counts_t arg_counts = {data[14]};
     mokgen_gemm_fused_n32_Tensor_launch_sync_t arg_launch_sync = {data[15]};
-    return cute_dsl_mokgen_gemm_fused_n32_wrapper(&mod_gemm_fused_n32, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, (cudaStream_t)stream);
+    mokgen_gemm_fused_n32_Tensor_status_host_t arg_status_host = {data[16]};
+    return cute_dsl_mokgen_gemm_fused_n32_wrapper(&mod_gemm_fused_n32, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n32_routed: gemm stage, gemm_fused_n32_routed.py:main */
@@ -303,7 +306,8 @@ int mokgen_gemm_fused_n32_routed_launch(void **data, const int32_t *dyn, void *s
     mokgen_gemm_fused_n32_routed_Tensor_counts_t arg_counts = {data[14]};
     mokgen_gemm_fused_n32_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
     mokgen_gemm_fused_n32_routed_Tensor_logits_t arg_logits = {data[16], {dyn[10]}};
-    return cute_dsl_mokgen_gemm_fused_n32_routed_wrapper(&mod_gemm_fused_n32_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, (cudaStream_t)stream);
+    mokgen_gemm_fused_n32_routed_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_n32_routed_wrapper(&mod_gemm_fused_n32_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n64: gemm stage, gemm_fused_n64.py:main */
@@ -334,7 +338,8 @@ int mokgen_gemm_fused_n64_launch(void **data, const int32_t *dyn, void *stream) 
     mokgen_gemm_fused_n64_Tensor_out_t arg_out = {data[13], {dyn[9]}};
     mokgen_gemm_fused_n64_Tensor_counts_t arg_counts = {data[14]};
     mokgen_gemm_fused_n64_Tensor_launch_sync_t arg_launch_sync = {data[15]};
-    return cute_dsl_mokgen_gemm_fused_n64_wrapper(&mod_gemm_fused_n64, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, (cudaStream_t)stream);
+    mokgen_gemm_fused_n64_Tensor_status_host_t arg_status_host = {data[16]};
+    return cute_dsl_mokgen_gemm_fused_n64_wrapper(&mod_gemm_fused_n64, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n64_routed: gemm stage, gemm_fused_n64_routed.py:main */
@@ -366,7 +371,8 @@ int mokgen_gemm_fused_n64_routed_launch(void **data, const int32_t *dyn, void *s
     mokgen_gemm_fused_n64_routed_Tensor_counts_t arg_counts = {data[14]};
     mokgen_gemm_fused_n64_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
     mokgen_gemm_fused_n64_routed_Tensor_logits_t arg_logits = {data[16], {dyn[10]}};
-    return cute_dsl_mokgen_gemm_fused_n64_routed_wrapper(&mod_gemm_fused_n64_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, (cudaStream_t)stream);
+    mokgen_gemm_fused_n64_routed_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_n64_routed_wrapper(&mod_gemm_fused_n64_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n96: gemm stage, gemm_fused_n96.py:main */
@@ -398,7 +404,8 @@ int mokgen_gemm_fused_n96_launch(void **data, const int32_t *dyn, void *stream) 
     mokgen_gemm_fused_n96_Tensor_counts_t arg_counts = {data[14]};
     mokgen_gemm_fused_n96_Tensor_launch_sync_t arg_launch_sync = {data[15]};
     mokgen_gemm_fused_n96_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
-    return cute_dsl_mokgen_gemm_fused_n96_wrapper(&mod_gemm_fused_n96, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, (cudaStream_t)stream);
+    mokgen_gemm_fused_n96_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_n96_wrapper(&mod_gemm_fused_n96, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n96_routed: gemm stage, gemm_fused_n96_routed.py:main */
@@ -431,7 +438,8 @@ int mokgen_gemm_fused_n96_routed_launch(void **data, const int32_t *dyn, void *s
     mokgen_gemm_fused_n96_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
     mokgen_gemm_fused_n96_routed_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
     mokgen_gemm_fused_n96_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
-    return cute_dsl_mokgen_gemm_fused_n96_routed_wrapper(&mod_gemm_fused_n96_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, (cudaStream_t)stream);
+    mokgen_gemm_fused_n96_routed_Tensor_status_host_t arg_status_host = {data[18]};
+    return cute_dsl_mokgen_gemm_fused_n96_routed_wrapper(&mod_gemm_fused_n96_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n160: gemm stage, gemm_fused_n160.py:main */
@@ -463,7 +471,8 @@ int mokgen_gemm_fused_n160_launch(void **data, const int32_t *dyn, void *stream)
     mokgen_gemm_fused_n160_Tensor_counts_t arg_counts = {data[14]};
     mokgen_gemm_fused_n160_Tensor_launch_sync_t arg_launch_sync = {data[15]};
     mokgen_gemm_fused_n160_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
-    return cute_dsl_mokgen_gemm_fused_n160_wrapper(&mod_gemm_fused_n160, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, (cudaStream_t)stream);
+    mokgen_gemm_fused_n160_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_n160_wrapper(&mod_gemm_fused_n160, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n160_routed: gemm stage, gemm_fused_n160_routed.py:main */
@@ -496,7 +505,8 @@ int mokgen_gemm_fused_n160_routed_launch(void **data, const int32_t *dyn, void *
     mokgen_gemm_fused_n160_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
     mokgen_gemm_fused_n160_routed_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
     mokgen_gemm_fused_n160_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
-    return cute_dsl_mokgen_gemm_fused_n160_routed_wrapper(&mod_gemm_fused_n160_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, (cudaStream_t)stream);
+    mokgen_gemm_fused_n160_routed_Tensor_status_host_t arg_status_host = {data[18]};
+    return cute_dsl_mokgen_gemm_fused_n160_routed_wrapper(&mod_gemm_fused_n160_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* combine: reduce stage, combine.py:main */

@@ -71,7 +71,7 @@ SCHED_READERS = WG_THREADS // 32 + CONSUMER_THREADS // 32
 SITE_H_READY = 4  # a down tile waited for its gate/up tiles (fused launch)
 WAIT_TIMEOUT_NS = 10000000000  # a pipeline wait longer than this is a bug: give up, report it
 STATUS_POLL_NS = 1000000  # a wait this long also checks whether another thread already gave up
-STATUS_SLOT = 13  # tile_counter entry for the launch's error code (0: none)
+STATUS_SLOT = 15  # tile_counter entry for the launch's error code (0: none)
 ERROR_BASE = 128  # error code = ERROR_BASE + site: which kernel, which wait
 SITE_STAGE_FULL = 1  # a consumer waited for a loaded stage
 SITE_STAGE_FREE = 2  # the producer waited for a stage to be released

@@ -83,7 +83,8 @@ WAIT_SITES = {1: "a consumer waiting for a loaded pipeline stage", 2: "the produ
               3: "a warp waiting on the tile scheduler", 4: "a down tile waiting for its gate/up tiles (h_ready)",
               5: "the return waiting for an M tile's down tiles (down_ready)",
               6: "a CTA waiting for every expert to be counted, or placed (the dispatch inside the launch)",
-              7: "the weight gradients' epilogue tile (its consumers waiting for it to be free, or its store warps for it)"}
+              7: "the weight gradients' epilogue tile (its consumers waiting for it to be free, or its store warps for it)",
+              8: "a combine task waiting for the down tiles of its token's rows (h_ready)"}
 
 
 def timeout_message(variant: str, gemm_by_slot: dict, code: int, timeout_ms: int) -> str:
@@ -257,6 +258,10 @@ class Variant:
                 self._gemm_by_slot[slot] = " or ".join(filter(None, [self._gemm_by_slot.get(slot), k["name"]]))
         self._status_host = None
         self._status_event = None
+        # Entries whose one kernel copies the error code to the host word itself (a single
+        # launch's last CTA, Plan mirror_status): no status_mirror launch behind them.
+        self._mirrored = frozenset(entry for entry, names in self.plan["steps"].items()
+                                   if names and self.kernels[names[-1]]["params"].get("mirror_status"))
         self.ops = None if self.profiling else _register_ops(self)
 
     # ---- buffers ----------------------------------------------------------------
@@ -403,13 +408,18 @@ class Variant:
         wait, InputError if dispatch found topk_ids out of range."""
         self._check_status(wait=True)
 
-    def _record_status(self, env: dict) -> None:
-        if self._status_slot is None:
-            return
+    def _host_word(self) -> torch.Tensor:
+        """The pinned host word the kernels copy a set error code to (allocated at first use)."""
         if self._status_host is None:
             self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
             # (read and reset through its address: indexing the tensor costs a few us a call)
             self._status_word = ctypes.c_int32.from_address(self._status_host.data_ptr())
+        return self._status_host
+
+    def _record_status(self, env: dict) -> None:
+        if self._status_slot is None:
+            return
+        self._host_word()
         counters = env["tile_counters"]
         if "status_mirror" in self.launchers:  # (on the caller's stream, as run() would: one kernel, less host time)
             bound = dict(tile_counters=counters, status_host=self._status_host)
@@ -512,8 +522,12 @@ class Variant:
             env.update(routing, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, out=out)
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
+            mirrored = entry in self._mirrored
+            if mirrored:  # (the launch's last CTA writes the host word)
+                env["status_host"] = self._host_word()
             self.run(entry, env, x.device, skip=self._token_grids if tokens == 0 else ())
-            self._record_status(env)
+            if not mirrored:
+                self._record_status(env)
         return env
 
     def forward_fp8(self, x, topk_ids, topk_weights, experts, out=None, save: bool = False):

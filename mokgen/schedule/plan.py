@@ -401,6 +401,12 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # The fused launch combines too (expert parallel: the combine reads the returned rows after
     # the wait).
     fused_combine = fuse and not ep
+    # Early combine (COMBINE_EARLY, override combine_early): the launch's combine tasks wait per
+    # token for the down tiles of its rows, not for every down tile (not with a shared expert,
+    # whose ys rows every token needs).
+    combine_early = fused_combine and not S and bool((overrides or {}).get("combine_early", COMBINE_EARLY))
+    if (overrides or {}).get("debug_break_combine") and not combine_early:
+        raise PlanError("debug_break_combine: this Plan's single launch has no early combine to break")
     # tile_counters, one place for every slot; dispatch_count zeroes them all, so no extra
     # launch or memset per call:
     #   one tile counter per grouped GEMM (its tile scheduler claims tiles from it);
@@ -415,7 +421,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # expert parallel, overlapped: the down GEMM returns its rows, claiming M tiles from a counter
     gemm_returns = ep and expert_parallel.gemm_returns(overrides or {})
     slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
-        + (["down_done"] if fused_combine else []) + (["ep_return"] if gemm_returns else []) \
+        + (["down_done"] if fused_combine else []) + (["combine_next"] if combine_early else []) \
+        + (["launch_done"] if fused_combine else []) \
+        + (["ep_return"] if gemm_returns else []) \
         + (["xs_copy"] if backward and not ep else []) + ["status"]
     used_slot = slots.index("used") if fuse else 0
     shared_slot = slots.index("shared_done") if "shared_done" in slots else 0
@@ -751,7 +759,14 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     for entry in steps:  # a single launch may combine itself
         if not combining & set(steps[entry]):
             steps[entry].append("combine")
-    if fused_combine:
+    if fused_combine and combine_early:
+        decisions.append(
+            "gemm_fused also combines: each down tile raises h_ready[m] after its stores (after the gate/up tiles' "
+            f"counts); once a CTA has no tile left, each consumer warp claims (token row, part) tasks from "
+            f"tile_counters[{slots.index('combine_next')}], waits until the M tiles of the token's rows have all "
+            "their down tiles stored, and reduces them with the combine's fixed k order (the same bits as the "
+            "combine kernel), beside the last down tiles")
+    elif fused_combine:
         decisions.append(
             f"gemm_fused also combines: each down tile raises tile_counters[{done_slot}] after its stores; once a CTA "
             "has no tile left, its consumer warps wait until every down tile is stored, then reduce token rows "
@@ -813,6 +828,14 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     for k in kernels:
         if k.params.get("combine") and "combine_unroll" in (overrides or {}):
             k.params = dict(k.params, combine_unroll=overrides["combine_unroll"])
+        if k.params.get("combine") and k.params.get("fused") and combine_early:
+            k.params = dict(k.params, combine_early=True, combine_slot=slots.index("combine_next"),
+                            debug_break_combine=bool((overrides or {}).get("debug_break_combine")))
+        if k.params.get("fused") and k.params.get("dispatch") and fused_combine \
+                and (overrides or {}).get("mirror_status", MIRROR_STATUS):
+            # The single launch is its entry's only kernel: its last CTA mirrors the error code.
+            k.params = dict(k.params, mirror_status=True, finished_slot=slots.index("launch_done"))
+            k.args = k.args + [KernelArg("status_host", "status_host", "i32", [1])]
         if k.params.get("swap") and k.params.get("fused"):
             # The swapped tiles' L2 policies: weight loads evict-first (SWAP_WEIGHTS_EVICT_FIRST),
             # the h and y rows' TMA loads and stores evict-last (SWAP_ROWS_EVICT_LAST).
@@ -831,7 +854,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                         ("rows_evict_last", "h and y rows evict-last in L2 (the down tiles read h again, the "
                                             "combine y)"),
                         ("weight_pairs", "weight loads of two 64-wide K blocks issued together (each weight row "
-                                         "read 256 bytes at a time)")):
+                                         "read 256 bytes at a time)"),
+                        ("mirror_status", "the launch's last CTA copies a set error code to the runtime's pinned "
+                                          "host word itself (no status_mirror launch behind the call)")):
         marked = [k.name for k in kernels if k.params.get(param) and not k.name.endswith("_routed")]
         if marked:
             decisions.append(f"{', '.join(marked)} (and their routing twins): {what}")
@@ -1056,6 +1081,9 @@ def chunked_dispatch(plain: list, dparams: dict, K: int, E: int, buffers: list) 
 # Tensors the runtime provides itself, bound by no Plan buffer: the variant's pinned host word
 # for the call's error code (mokgen/runtime/variant.py).
 RUNTIME_TENSORS = ("status_host",)
+# A single launch's last CTA copies the call's error code to the host word itself, so its entry
+# has one launch, not two (override mirror_status).
+MIRROR_STATUS = True
 
 
 def status_mirror(n_counters: int, status_slot: int) -> KernelPlan:
@@ -1088,6 +1116,11 @@ def fused_misfit(H: int, I: int, S: int, tile_n: int) -> str | None:
 # loop over a task's pieces is unrolled this far): 2 x TOPK loads in flight per lane. 4 measured
 # level with 2 (E64 T = 64-2048, E40; docs/perf.md); override combine_unroll.
 COMBINE_UNROLL = 2
+
+# The single launch's combine, task by task as the down tiles of a token's rows are stored
+# (override combine_early), or after every down tile of the launch. Measured level to 2% faster
+# (E64, E128, E40 at T = 64-2048; docs/perf.md), the SMs' idle time in the span 4% -> 1.3%.
+COMBINE_EARLY = True
 
 
 def combine_parts(hidden: int) -> list[int]:
@@ -1233,14 +1266,16 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 
 # debug_unchecked skips the safety checks (tests inject a deadlock with it);
 # debug_break_dependency makes the fused launch's down tiles wait for a count h_ready never
-# reaches, debug_break_dispatch its CTAs wait for one expert more than there are (tests check
+# reaches, debug_break_dispatch its CTAs wait for one expert more than there are,
+# debug_break_combine its early combine for one down tile more than an M tile has (tests check
 # that a broken dependency ends in a clear error, not a hang).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|debug_break_dispatch"
+                           r"|debug_break_combine"
                            r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
-                           r"|weights_evict_first|rows_evict_last|weight_pairs"
+                           r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
@@ -1253,10 +1288,11 @@ def check_overrides(overrides: dict) -> None:
             raise PlanError(f"unknown plan override {key!r}")
         if key.endswith(".raster") and value not in ("m", "n"):
             raise PlanError(f"{key} must be 'm' or 'n', got {value!r}")
-        if key in ("debug_unchecked", "debug_break_dependency", "debug_break_dispatch", "profile", "fuse_gemms", "dispatch_chunked",
+        if key in ("debug_unchecked", "debug_break_dependency", "debug_break_dispatch", "debug_break_combine", "profile",
+                   "fuse_gemms", "dispatch_chunked",
                    "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch",
                    "fused_small", "launch_local_count", "launch_chunked", "weights_evict_first",
-                   "rows_evict_last", "weight_pairs"):
+                   "rows_evict_last", "weight_pairs", "combine_early", "mirror_status"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
