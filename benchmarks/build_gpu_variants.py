@@ -86,6 +86,12 @@ for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[3])] +
 for spec in (spec_of(SHAPES[0]), MoESpec(experts=128, topk=8, hidden=2048, intermediate=768)):
     build(spec, default_out() / "experiments" / "nopairs", overrides={"weight_pairs": False}, force=force,
           log=lambda m: None)
+# The single launch as before the early combine and the status mirrored by its last CTA (the
+# combine after every down tile, a status_mirror launch behind it): compare_experiment.py late.
+for spec in (spec_of(SHAPES[0]), MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
+             MoESpec(experts=128, topk=8, hidden=2048, intermediate=768)):
+    build(spec, default_out() / "experiments" / "late", overrides={"combine_early": False, "mirror_status": False},
+          force=force, log=lambda m: None)
 print(f"[{len(specs) + len(ep_specs) + 1}/{len(specs) + len(ep_specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)
 for name, (overrides, *_) in BROKEN_BUILDS.items():
     build(spec_of(SHAPES[0]), deadlock_dir(name), overrides=overrides, force=force, log=lambda m: None)
