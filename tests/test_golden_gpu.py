@@ -469,7 +469,10 @@ def test_profiling_build_is_golden_and_records_every_task(shape, T, gen, tmp_pat
         assert 0 < grid <= sms and len({sm for sm, _, _ in records[f"{name} dispatch"]}) == grid
         warps = p["mma_warpgroups"] * 4
         parts = max(d for d in p["combine_parts"] if T * d <= grid * warps or d == 1)  # the launch's choice
-        assert len(records[f"{name} combine"]) == min(grid, math.ceil(T * parts / warps))
+        # (the early combine: every CTA's phase, from its last tile to its last task; else the
+        # CTAs whose warps have a task)
+        combining = grid if p.get("combine_early") else min(grid, math.ceil(T * parts / warps))
+        assert len(records[f"{name} combine"]) == combining
         assert min(r[1] for r in records[f"{name} dispatch"]) == 0.0  # the span starts with the launch
     s = summarize(records, sms)
     assert 0 <= s["idle_fraction"] < 1 and s["span_us"] > 0
