@@ -456,3 +456,38 @@ def test_what_a_training_forward_hands_on_is_carved_from_one_allocation(monkeypa
     v.poison = True
     poisoned = v._workspace(5, cpu, "fwd", fresh=("ga", "pos"))
     assert poisoned["ga"].isnan().all() and (poisoned["pos"] == -1).all()
+
+
+def test_a_single_launch_reports_its_own_error_code_and_nothing_launches_behind_it(monkeypatch):
+    """The single launch's entries copy the error code themselves (their last CTA): the runtime
+    binds the pinned host word into the launch and launches no status_mirror behind it; the
+    per-GEMM forward keeps status_mirror behind its kernels."""
+    from mokgen.ir import PRESETS
+    from mokgen.runtime import variant as V
+    from mokgen.schedule.plan import make_plan
+
+    plan = make_plan(PRESETS["olmoe"]).to_dict()
+    mirrored = V.mirrored_entries(plan)
+    assert "forward_n64" in mirrored and "forward_routed_n64" in mirrored
+    assert "forward" not in mirrored and "backward" not in mirrored and "forward_train" not in mirrored
+
+    v, launched = _bare_variant(monkeypatch, {"one": ["launch"], "multi": ["a", "b"], "status": ["status_mirror"]},
+                                {"launch": ["x", "status_host"], "a": ["x"], "b": ["out"],
+                                 "status_mirror": ["tile_counters", "status_host"]})
+    import ctypes
+
+    v._mirrored, v._status_slot, v._status_event = frozenset({"one"}), 3, None
+    host = v._status_host = torch.zeros(1, dtype=torch.int32)  # (pinned on a GPU machine)
+    v._status_word = ctypes.c_int32.from_address(host.data_ptr())
+    v.name, v.spec.experts, v.plan["overrides"], v._gemm_by_slot, v._state = "v", 64, {}, {}, {}
+    v._token_grids = frozenset()
+    counters = torch.zeros(4, dtype=torch.int32)
+    monkeypatch.setattr(v, "_workspace", lambda tokens, device, entry, peers, keep: {"tile_counters": counters},
+                        raising=False)
+    x = torch.zeros(4, 8)
+    v._run_forward("one", x, {}, None, None, None, None, None, None, "out")
+    assert [(n, [id(t) for t in ts], stream) for n, ts, stream in launched] == [("launch", [id(x), id(host)], 7)]
+    launched.clear()
+    v._run_forward("multi", x, {}, None, None, None, None, None, None, "out")
+    assert [n for n, *_ in launched] == ["a", "b", "status_mirror"]
+    assert [id(t) for t in launched[-1][1]] == [id(counters), id(host)]

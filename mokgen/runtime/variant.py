@@ -87,6 +87,14 @@ WAIT_SITES = {1: "a consumer waiting for a loaded pipeline stage", 2: "the produ
               8: "a combine task waiting for the down tiles of its token's rows (h_ready)"}
 
 
+def mirrored_entries(plan: dict) -> frozenset:
+    """The entries whose last kernel copies a set error code to the host word itself (a single
+    launch's last CTA, Plan mirror_status): no status_mirror launch goes behind them."""
+    params = {k["name"]: k["params"] for k in plan["kernels"]}
+    return frozenset(entry for entry, names in plan["steps"].items()
+                     if names and params[names[-1]].get("mirror_status"))
+
+
 def timeout_message(variant: str, gemm_by_slot: dict, code: int, timeout_ms: int) -> str:
     """The error a timed-out wait's code (16 * (GEMM slot + 1) + wait site) turns into."""
     kernel = gemm_by_slot.get(code // 16 - 1, f"GEMM slot {code // 16 - 1}")
@@ -260,8 +268,7 @@ class Variant:
         self._status_event = None
         # Entries whose one kernel copies the error code to the host word itself (a single
         # launch's last CTA, Plan mirror_status): no status_mirror launch behind them.
-        self._mirrored = frozenset(entry for entry, names in self.plan["steps"].items()
-                                   if names and self.kernels[names[-1]]["params"].get("mirror_status"))
+        self._mirrored = mirrored_entries(self.plan)
         self.ops = None if self.profiling else _register_ops(self)
 
     # ---- buffers ----------------------------------------------------------------
