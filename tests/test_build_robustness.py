@@ -97,3 +97,28 @@ def test_a_variant_built_by_another_mokgen_is_reported_where_it_cannot_be_rebuil
     with pytest.warns(UserWarning, match="built by mokgen 0.0.1"):
         rt.load(path)
     rt._LOADED.clear()
+
+
+@pytest.mark.compile
+def test_a_plan_change_no_source_sees_rewrites_the_manifest_without_compiling(tmp_path, monkeypatch):
+    """Where only the manifest's Plan differs (its notes: decisions, the task graph) and every
+    rendered source, template and version is the same, the build rewrites manifest.json and
+    compiles nothing; a changed source still recompiles."""
+    from mokgen.codegen import build
+
+    path = build(A, tmp_path, log=lambda m: None)
+    fresh = (path / "manifest.json").read_text()
+    stamp = (path / "build" / "build.json").stat().st_mtime_ns
+    m = json.loads(fresh)
+    m["plan"]["decisions"] = ["an older note"]
+    (path / "manifest.json").write_text(json.dumps(m))
+    logs = []
+    assert build(A, tmp_path, log=logs.append) == path
+    assert (path / "manifest.json").read_text() == fresh and "manifest's Plan rewritten" in logs[-1]
+    assert (path / "build" / "build.json").stat().st_mtime_ns == stamp and not list(path.glob(".manifest-*"))
+    m["files"] = dict(m["files"], **{"combine.py": "0" * 64})  # a source that differs: compiled again
+    m["plan"] = json.loads(fresh)["plan"]
+    (path / "manifest.json").write_text(json.dumps(m))
+    build(A, tmp_path, log=lambda m: None)
+    assert (path / "manifest.json").read_text() == fresh
+    assert (path / "build" / "build.json").stat().st_mtime_ns != stamp

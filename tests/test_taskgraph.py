@@ -21,7 +21,13 @@ def test_plan_carries_the_fused_task_graph(spec):
     assert all(k["fill"] == k["name"].startswith("shared") for k in tg["kinds"])
     assert tg["sm_roles"]["compute"] == H200.sms
     counters = {c["name"] for c in tg["counters"]}
-    assert {"counted", "placed", "h_ready", "y_done"} <= counters
+    kinds = {k["name"]: k for k in tg["kinds"]}
+    if spec.shared_intermediate:  # the combine waits for every down tile (and the shared expert's)
+        assert {"counted", "placed", "h_ready", "y_done"} <= counters
+        assert kinds["combine"]["waits_on"].startswith("y_done")
+    else:  # the early combine: each task waits for the M tiles of its token's rows
+        assert {"counted", "placed", "h_ready"} <= counters and "y_done" not in counters
+        assert kinds["down"]["signals"] == "h_ready[m] += 1" and "token's" in kinds["combine"]["waits_on"]
 
 
 def test_expert_parallel_task_graph_has_the_exchange_tasks():

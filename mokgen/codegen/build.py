@@ -79,6 +79,22 @@ def is_current(variant_dir: Path, files: dict[str, str]) -> bool:
     return on_disk == files["manifest.json"] and built.get("manifest") == json.loads(on_disk)["files"]
 
 
+def only_notes_differ(variant_dir: Path, files: dict[str, str]) -> bool:
+    """The variant on disk was compiled from exactly these rendered sources, by this mokgen and
+    CuTe-DSL from these templates, and only its manifest's Plan differs (its notes: decisions,
+    the task graph, params no source reads). The library is current, so only the manifest
+    needs writing: every kernel, argument and launch the runtime reads from the Plan is in a
+    source whose hash is compared."""
+    try:
+        old = json.loads((variant_dir / "manifest.json").read_text())
+        built = json.loads((variant_dir / "build" / "build.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    new = json.loads(files["manifest.json"])
+    return built.get("manifest") == old.get("files") == new["files"] and \
+        {k: v for k, v in old.items() if k != "plan"} == {k: v for k, v in new.items() if k != "plan"}
+
+
 @contextlib.contextmanager
 def _lock(out: Path, variant: str):
     out.mkdir(parents=True, exist_ok=True)
@@ -180,6 +196,12 @@ def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, fo
     with _lock(out, plan.variant):
         if not force and is_current(final, files):
             log(f"{plan.variant}: up to date ({final})")
+            return final
+        if not force and compile and only_notes_differ(final, files):
+            part = final / f".manifest-{os.getpid()}.json"  # (replaced whole: a crash leaves the old one)
+            part.write_text(files["manifest.json"])
+            os.replace(part, final / "manifest.json")
+            log(f"{plan.variant}: up to date, its manifest's Plan rewritten ({final})")
             return final
         if not compile and not force and (final / "manifest.json").exists() and \
                 (final / "manifest.json").read_text() == files["manifest.json"]:

@@ -122,6 +122,7 @@ def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
     ng = math.ceil(gu["n_size"] / gu["tile_n"])
     nd = math.ceil(dn["n_size"] / dn["tile_n"])
     chunk = plan_params.get("gemm_fused", {}).get("dispatch", {}).get("chunk")
+    early = bool(plan_params.get("gemm_fused", {}).get("combine_early"))
     if chunk:  # the launch's CTAs count and place chunks of pairs (templates/dispatch_chunks.py.j2)
         chunks = _e(sympy.ceiling(T * K / chunk))
         dispatch = [TaskKind("count", "send", f"a chunk of {chunk} pairs", chunks, "routed == CTAs",
@@ -139,17 +140,19 @@ def forward_task_graph(spec, plan_params: dict, target: Target) -> TaskGraph:
         TaskKind("gateup", "gemm_gateup", f"{bm}x{gu['tile_n']} tile of h", _e(m_tiles * ng),
                  placed, "h_ready[m] += 1", 3),
         TaskKind("down", "gemm_down", f"{bm}x{dn['tile_n']} tile of y", _e(m_tiles * nd),
-                 f"h_ready[m] == {ng}", "y_done += 1", 5),
+                 f"h_ready[m] >= {ng}", "h_ready[m] += 1" if early else "y_done += 1", 5),
     ]
     counters = [
         Counter("routed", "1", "CTAs that routed their tokens"),
         Counter("counted", "1", "chunks counted" if chunk else "experts counted"),
         Counter("placed", "1", "CTAs whose tables and chunks are placed" if chunk
                 else "experts whose rows are placed and tile table written"),
-        Counter("h_ready", _e(m_tiles), "gate/up tiles finished per M tile"),
-        Counter("y_done", "1", "down tiles finished"),
-    ]
-    combine_wait = "y_done == tiles used"
+        Counter("h_ready", _e(m_tiles), "gate/up, then down tiles finished per M tile" if early
+                else "gate/up tiles finished per M tile"),
+    ] + ([] if early else [Counter("y_done", "1", "down tiles finished")])
+    # The early combine (Plan combine_early): a task waits only for the M tiles of its token's rows.
+    combine_wait = f"h_ready[m] == {ng + nd} for the M tile of each of its token's {K} rows" if early \
+        else "y_done == tiles used"
     if S:
         sg, sd = plan_params["shared_gateup"], plan_params["shared_down"]
         s_tiles = sympy.ceiling(T / bm)
