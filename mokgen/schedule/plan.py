@@ -831,10 +831,13 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if k.params.get("combine") and k.params.get("fused") and combine_early:
             k.params = dict(k.params, combine_early=True, combine_slot=slots.index("combine_next"),
                             debug_break_combine=bool((overrides or {}).get("debug_break_combine")))
+            k.warp_roles = k.warp_roles + ["a consumer warp with no tile left claims combine tasks, each waiting "
+                                           "for the M tiles of its token's rows"]
         if k.params.get("fused") and k.params.get("dispatch") and fused_combine \
                 and (overrides or {}).get("mirror_status", MIRROR_STATUS):
             # The single launch is its entry's only kernel: its last CTA mirrors the error code.
             k.params = dict(k.params, mirror_status=True, finished_slot=slots.index("launch_done"))
+            k.warp_roles = k.warp_roles + ["thread 0 of the launch's last CTA: a set error code to pinned host memory"]
             k.args = k.args + [KernelArg("status_host", "status_host", "i32", [1])]
         if k.params.get("swap") and k.params.get("fused"):
             # The swapped tiles' L2 policies: weight loads evict-first (SWAP_WEIGHTS_EVICT_FIRST),
