@@ -212,7 +212,7 @@ def test_unchecked_out_of_range_ids_are_reported_by_the_device(gen):
         out = mokgen.moe(x, ids, w, wg, wu, wd, check_ids=False)
         mokgen.check_errors()
         assert torch.isfinite(out.float()).all()
-    # Every id garbage (any int32): the single launch's 32-row and 160-row bands and the
+    # Every id garbage (any int32): the single launch's 16-row and 160-row bands and the
     # per-GEMM path report it; none faults.
     for T in (64, 1024, 4096):
         x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], T, "uniform", gen)

@@ -8,7 +8,7 @@ import sympy
 
 from mokgen.ir import PRESETS, MoESpec, forward_graph
 from mokgen.schedule import H200, Plan, PlanError, choose_gemm_tiling, make_plan
-from mokgen.schedule.plan import (L2_EVICT_LAST, SWAP_ACC_MAX, SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS,
+from mokgen.schedule.plan import (L2_EVICT_LAST, SWAP_ACC_MAX, SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS, SWAP_ROWS,
                                   check_plan)
 
 SPECS = list(PRESETS.values()) + [MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
@@ -374,7 +374,7 @@ def test_weight_pairs_where_two_k_blocks_fit():
     """Weight pairs (the TMA thread loads two 64-wide K blocks' weights together) go to the swapped
     tiles of 64-wide K blocks whose every K is a whole number of pairs and whose stages leave one
     to spare beside the lagged gathers (else the producer would wait on itself); never to the
-    32-row tiles' 128-wide K blocks nor the plain launch. Override weight_pairs: true asks for
+    16- and 32-row tiles' 128-wide K blocks nor the plain launch. Override weight_pairs: true asks for
     them wherever they fit, false for none."""
     spec = PRESETS["olmoe"]
 
@@ -382,14 +382,14 @@ def test_weight_pairs_where_two_k_blocks_fit():
         return {k.name for k in plan.kernels if k.params.get("weight_pairs")}
 
     on = make_plan(spec, overrides={"weight_pairs": True})
-    assert paired(on) == {f"gemm_fused_n{n}{t}" for n in (64, 96, 160) for t in ("", "_routed")}
+    assert paired(on) == {f"gemm_fused_n{n}{t}" for n in (48, 64, 80, 96, 112, 144, 160) for t in ("", "_routed")}
     for k in on.kernels:
         if k.params.get("weight_pairs"):
             assert k.params["tile_k"] == 64 and k.params["gather_lag"] <= k.params["stages"] - 3
     assert any("two 64-wide K blocks" in d for d in on.decisions)
     # By default where measured to pay: tiles of up to 64 token rows in layers with a long weight
     # stream (not E40 K6 H1536 I640, 1.5 gate/up tiles per SM).
-    assert paired(make_plan(spec)) == {"gemm_fused_n64", "gemm_fused_n64_routed"}
+    assert paired(make_plan(spec)) == {f"gemm_fused_n{n}{t}" for n in (48, 64) for t in ("", "_routed")}
     e40 = MoESpec(experts=40, topk=6, hidden=1536, intermediate=640)
     assert not paired(make_plan(e40)) and "gemm_fused_n64" in paired(make_plan(e40, overrides={"weight_pairs": True}))
     assert not paired(make_plan(spec, overrides={"weight_pairs": False}))
@@ -493,7 +493,7 @@ def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
     assert p.kernel("status_mirror").params["status_slot"] == fused["status_slot"]
     assert set(p.steps) == {"forward", "forward_fused", "forward_routed", "route", "route_backward", "status"} | (
         {"forward_train", "backward", "backward_recompute"}) | (
-        {f"forward{r}_n{n}" for n in (32, 64, 96, 160) for r in ("", "_routed")} if not spec.shared_intermediate
+        {f"forward{r}_n{n}" for n in SWAP_ROWS for r in ("", "_routed")} if not spec.shared_intermediate
         else set())
     for entry, forward in p.steps.items():
         if entry.startswith("route") or entry == "status":
@@ -709,39 +709,46 @@ def test_single_launch_tiles_by_tokens():
 
     spec = PRESETS["olmoe"]
     p = make_plan(spec)
-    assert p.launch_bands == [[165, "forward_n32"], [375, "forward_n64"], [595, "forward_n96"],
-                              [821, "forward_fused"], [1050, "forward_n160"], [2048, "forward_fused"]]
+    assert p.launch_bands == [[69, "forward_n16"], [165, "forward_n32"], [268, "forward_n48"], [375, "forward_n64"],
+                              [484, "forward_n80"], [595, "forward_n96"], [707, "forward_n112"],
+                              [821, "forward_fused"], [935, "forward_n144"], [1050, "forward_n160"],
+                              [2048, "forward_fused"]]
     plan = p.to_dict()
-    assert [forward_entry(plan, t) for t in (1, 64, 165, 166, 256, 512, 700, 1024, 1051, 2048, 2049)] == [
-        "forward_n32", "forward_n32", "forward_n32", "forward_n64", "forward_n64", "forward_n96", "forward_fused",
-        "forward_n160", "forward_fused", "forward_fused", "forward"]
-    assert routed_entry(plan, 64) == "forward_routed_n32" and routed_entry(plan, 700) == "forward_routed"
-    for n in (32, 64, 96, 160):
+    assert [forward_entry(plan, t) for t in (1, 64, 70, 165, 166, 256, 300, 512, 700, 800, 900, 1024, 1051, 2048,
+                                             2049)] == [
+        "forward_n16", "forward_n16", "forward_n32", "forward_n32", "forward_n48", "forward_n48", "forward_n64",
+        "forward_n96", "forward_n112", "forward_fused", "forward_n144", "forward_n160", "forward_fused",
+        "forward_fused", "forward"]
+    assert routed_entry(plan, 64) == "forward_routed_n16" and routed_entry(plan, 800) == "forward_routed"
+    for n in (16, 32, 48, 64, 80, 96, 112, 144, 160):
         k = p.kernel(f"gemm_fused_n{n}").params
         assert p.steps[f"forward_n{n}"] == [f"gemm_fused_n{n}"]
         assert p.steps[f"forward_routed_n{n}"] == [f"gemm_fused_n{n}_routed"]
         assert k["swap"] and k["tile_m"] == n == k["row_align"] == k["dispatch"]["tile_m"] and k["tile_n"] == 128
         assert k["mma_warpgroups"] == 2 and 2 * n // 2 <= SWAP_ACC_MAX
         # (weight rows 256 bytes a stage where three such stages fit: the 32-row tiles)
-        assert (k["tile_k"], k["stages"], k["epi_stages"]) == ((128, 3, 1) if n == 32 else (64, k["stages"], 2))
+        assert (k["tile_k"], k["stages"], k["epi_stages"]) == ((128, 3, 1) if n <= 32 else (64, k["stages"], 2))
+        # (the epilogue stores 32 token rows at a time, 16 where 32 do not divide the tile's)
+        assert k["epi_tile"] == [128, 32 if n % 32 == 0 else 16]
         tables = {a.name: a.tensor for a in p.kernel(f"gemm_fused_n{n}").args}
         assert tables["tile_expert"] == "tile_expert_w" and tables["h_ready"] == "h_ready_w"
         assert p.kernel(f"gemm_fused_n{n}_routed").params["route"]["experts"] == spec.experts
     sizes = {b.name: sympy.sympify(b.shape[0]) for b in p.buffers}
-    assert sizes["tile_expert_w"] == sizes["h_ready_w"] == sympy.sympify("ceiling(T/4) + 64")
+    assert sizes["tile_expert_w"] == sizes["h_ready_w"] == sympy.sympify("ceiling(T/2) + 64")
     # The row buffers hold the rows the per-GEMM path lays out and those of the band serving T,
     # no more (a small call's workspace stays small).
     from mokgen.runtime.variant import forward_entry as entry
 
-    for t in (1, 64, 165, 166, 500, 700, 1000, 1050, 1051, 2048, 16384):
+    for t in (1, 64, 69, 70, 165, 166, 300, 500, 700, 900, 1000, 1050, 1051, 2048, 16384):
         band = entry(plan, t)
         n = int(band[len("forward_n"):]) if band.startswith("forward_n") else 128
         want = max((math.ceil(t * 8 / 128) + 64) * 128, (math.ceil(t * 8 / n) + 64) * n)
         assert sizes["h"].subs("T", t) == sizes["ga"].subs("T", t) == want, t
     # A layer with few weight tiles per SM takes tiles no larger than the plain launch's, by mean rows.
     e40 = make_plan(MoESpec(experts=40, topk=6, hidden=1536, intermediate=640))
-    assert e40.launch_bands == [[213, "forward_n32"], [426, "forward_n64"], [640, "forward_n96"],
-                                [2048, "forward_fused"]]
+    assert e40.launch_bands == [[106, "forward_n16"], [213, "forward_n32"], [320, "forward_n48"],
+                                [426, "forward_n64"], [533, "forward_n80"], [640, "forward_n96"],
+                                [746, "forward_n112"], [2048, "forward_fused"]]
     assert make_plan(spec, overrides={"swap_rows": [64]}).launch_bands == [[375, "forward_n64"], [2048, "forward_fused"]]
     # Where there are none: a shared expert, several GPUs, one forced path, dispatch kernels
     # before the launch, the wavefront experiment, the overrides.
@@ -755,7 +762,7 @@ def test_single_launch_tiles_by_tokens():
         assert not any(k.name.startswith("gemm_fused_n") for k in q.kernels)
     with pytest.raises(PlanError, match="true or false"):
         make_plan(spec, overrides={"fused_small": 0})
-    for bad in (32, [48], [192], [True]):
+    for bad in (32, [40], [8], [192], [True]):
         with pytest.raises(PlanError, match="swap_rows"):
             make_plan(spec, overrides={"swap_rows": bad})
     # (a tuner's candidates: one warpgroup of 64 weight rows, measured 0.96-0.99x at T <= 375)

@@ -91,10 +91,10 @@ def test_calls_from_router_logits_take_the_one_launch_where_the_fused_launch_ser
     assert [routes_in_launch(plan, t) for t in (0, 1, small, small + 1, bound, bound + 1)] == \
         [False, True, True, True, True, False]
     assert [forward_entry(plan, t) for t in (1, small, small + 1, bound, bound + 1)] == \
-        ["forward_n32"] * 2 + ["forward_n64", "forward_fused", "forward"]
+        ["forward_n16"] * 2 + ["forward_n32", "forward_fused", "forward"]
     # each band's launch has its routing twin too
     assert [routed_entry(plan, t) for t in (small, small + 1, bound)] == \
-        ["forward_routed_n32", "forward_routed_n64", "forward_routed"]
+        ["forward_routed_n16", "forward_routed_n32", "forward_routed"]
     no_small = make_plan(PRESETS["olmoe"], overrides={"fused_small": False}).to_dict()
     assert no_small["launch_bands"] == [] and forward_entry(no_small, 1) == "forward_fused"
     # (a Plan built before the bands: one small calls' launch)

@@ -18,12 +18,22 @@
 #include "gemm_down.h"
 #include "gemm_fused.h"
 #include "gemm_fused_routed.h"
+#include "gemm_fused_n16.h"
+#include "gemm_fused_n16_routed.h"
 #include "gemm_fused_n32.h"
 #include "gemm_fused_n32_routed.h"
+#include "gemm_fused_n48.h"
+#include "gemm_fused_n48_routed.h"
 #include "gemm_fused_n64.h"
 #include "gemm_fused_n64_routed.h"
+#include "gemm_fused_n80.h"
+#include "gemm_fused_n80_routed.h"
 #include "gemm_fused_n96.h"
 #include "gemm_fused_n96_routed.h"
+#include "gemm_fused_n112.h"
+#include "gemm_fused_n112_routed.h"
+#include "gemm_fused_n144.h"
+#include "gemm_fused_n144_routed.h"
 #include "gemm_fused_n160.h"
 #include "gemm_fused_n160_routed.h"
 #include "combine.h"
@@ -245,6 +255,71 @@ int mokgen_gemm_fused_routed_launch(void **data, const int32_t *dyn, void *strea
     return cute_dsl_mokgen_gemm_fused_routed_wrapper(&mod_gemm_fused_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, &arg_status_host, (cudaStream_t)stream);
 }
 
+/* gemm_fused_n16: gemm stage, gemm_fused_n16.py:main */
+static mokgen_gemm_fused_n16_Kernel_Module_t mod_gemm_fused_n16;
+static pthread_once_t once_gemm_fused_n16 = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n16 = 0;
+static void load_gemm_fused_n16(void) {
+    mokgen_gemm_fused_n16_Kernel_Module_Load(&mod_gemm_fused_n16);
+    load_err_gemm_fused_n16 = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n16_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n16, load_gemm_fused_n16);
+    if (load_err_gemm_fused_n16) return load_err_gemm_fused_n16;
+    (void)dyn;
+    mokgen_gemm_fused_n16_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n16_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n16_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n16_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n16_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n16_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n16_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n16_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n16_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n16_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n16_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n16_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n16_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n16_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n16_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n16_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n16_Tensor_status_host_t arg_status_host = {data[16]};
+    return cute_dsl_mokgen_gemm_fused_n16_wrapper(&mod_gemm_fused_n16, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_status_host, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n16_routed: gemm stage, gemm_fused_n16_routed.py:main */
+static mokgen_gemm_fused_n16_routed_Kernel_Module_t mod_gemm_fused_n16_routed;
+static pthread_once_t once_gemm_fused_n16_routed = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n16_routed = 0;
+static void load_gemm_fused_n16_routed(void) {
+    mokgen_gemm_fused_n16_routed_Kernel_Module_Load(&mod_gemm_fused_n16_routed);
+    load_err_gemm_fused_n16_routed = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n16_routed_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n16_routed, load_gemm_fused_n16_routed);
+    if (load_err_gemm_fused_n16_routed) return load_err_gemm_fused_n16_routed;
+    (void)dyn;
+    mokgen_gemm_fused_n16_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n16_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n16_routed_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n16_routed_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n16_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n16_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n16_routed_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n16_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n16_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n16_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n16_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n16_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n16_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n16_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n16_routed_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n16_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n16_routed_Tensor_logits_t arg_logits = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n16_routed_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_n16_routed_wrapper(&mod_gemm_fused_n16_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, &arg_status_host, (cudaStream_t)stream);
+}
+
 /* gemm_fused_n32: gemm stage, gemm_fused_n32.py:main */
 static mokgen_gemm_fused_n32_Kernel_Module_t mod_gemm_fused_n32;
 static pthread_once_t once_gemm_fused_n32 = PTHREAD_ONCE_INIT;
@@ -308,6 +383,71 @@ int mokgen_gemm_fused_n32_routed_launch(void **data, const int32_t *dyn, void *s
     mokgen_gemm_fused_n32_routed_Tensor_logits_t arg_logits = {data[16], {dyn[10]}};
     mokgen_gemm_fused_n32_routed_Tensor_status_host_t arg_status_host = {data[17]};
     return cute_dsl_mokgen_gemm_fused_n32_routed_wrapper(&mod_gemm_fused_n32_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, &arg_status_host, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n48: gemm stage, gemm_fused_n48.py:main */
+static mokgen_gemm_fused_n48_Kernel_Module_t mod_gemm_fused_n48;
+static pthread_once_t once_gemm_fused_n48 = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n48 = 0;
+static void load_gemm_fused_n48(void) {
+    mokgen_gemm_fused_n48_Kernel_Module_Load(&mod_gemm_fused_n48);
+    load_err_gemm_fused_n48 = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n48_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n48, load_gemm_fused_n48);
+    if (load_err_gemm_fused_n48) return load_err_gemm_fused_n48;
+    (void)dyn;
+    mokgen_gemm_fused_n48_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n48_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n48_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n48_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n48_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n48_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n48_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n48_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n48_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n48_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n48_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n48_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n48_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n48_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n48_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n48_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n48_Tensor_status_host_t arg_status_host = {data[16]};
+    return cute_dsl_mokgen_gemm_fused_n48_wrapper(&mod_gemm_fused_n48, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_status_host, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n48_routed: gemm stage, gemm_fused_n48_routed.py:main */
+static mokgen_gemm_fused_n48_routed_Kernel_Module_t mod_gemm_fused_n48_routed;
+static pthread_once_t once_gemm_fused_n48_routed = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n48_routed = 0;
+static void load_gemm_fused_n48_routed(void) {
+    mokgen_gemm_fused_n48_routed_Kernel_Module_Load(&mod_gemm_fused_n48_routed);
+    load_err_gemm_fused_n48_routed = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n48_routed_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n48_routed, load_gemm_fused_n48_routed);
+    if (load_err_gemm_fused_n48_routed) return load_err_gemm_fused_n48_routed;
+    (void)dyn;
+    mokgen_gemm_fused_n48_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n48_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n48_routed_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n48_routed_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n48_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n48_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n48_routed_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n48_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n48_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n48_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n48_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n48_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n48_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n48_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n48_routed_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n48_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n48_routed_Tensor_logits_t arg_logits = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n48_routed_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_n48_routed_wrapper(&mod_gemm_fused_n48_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n64: gemm stage, gemm_fused_n64.py:main */
@@ -375,6 +515,73 @@ int mokgen_gemm_fused_n64_routed_launch(void **data, const int32_t *dyn, void *s
     return cute_dsl_mokgen_gemm_fused_n64_routed_wrapper(&mod_gemm_fused_n64_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_logits, &arg_status_host, (cudaStream_t)stream);
 }
 
+/* gemm_fused_n80: gemm stage, gemm_fused_n80.py:main */
+static mokgen_gemm_fused_n80_Kernel_Module_t mod_gemm_fused_n80;
+static pthread_once_t once_gemm_fused_n80 = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n80 = 0;
+static void load_gemm_fused_n80(void) {
+    mokgen_gemm_fused_n80_Kernel_Module_Load(&mod_gemm_fused_n80);
+    load_err_gemm_fused_n80 = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n80_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n80, load_gemm_fused_n80);
+    if (load_err_gemm_fused_n80) return load_err_gemm_fused_n80;
+    (void)dyn;
+    mokgen_gemm_fused_n80_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n80_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n80_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n80_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n80_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n80_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n80_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n80_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n80_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n80_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n80_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n80_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n80_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n80_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n80_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n80_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n80_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n80_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_n80_wrapper(&mod_gemm_fused_n80, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_status_host, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n80_routed: gemm stage, gemm_fused_n80_routed.py:main */
+static mokgen_gemm_fused_n80_routed_Kernel_Module_t mod_gemm_fused_n80_routed;
+static pthread_once_t once_gemm_fused_n80_routed = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n80_routed = 0;
+static void load_gemm_fused_n80_routed(void) {
+    mokgen_gemm_fused_n80_routed_Kernel_Module_Load(&mod_gemm_fused_n80_routed);
+    load_err_gemm_fused_n80_routed = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n80_routed_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n80_routed, load_gemm_fused_n80_routed);
+    if (load_err_gemm_fused_n80_routed) return load_err_gemm_fused_n80_routed;
+    (void)dyn;
+    mokgen_gemm_fused_n80_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n80_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n80_routed_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n80_routed_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n80_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n80_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n80_routed_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n80_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n80_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n80_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n80_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n80_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n80_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n80_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n80_routed_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n80_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n80_routed_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n80_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
+    mokgen_gemm_fused_n80_routed_Tensor_status_host_t arg_status_host = {data[18]};
+    return cute_dsl_mokgen_gemm_fused_n80_routed_wrapper(&mod_gemm_fused_n80_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, &arg_status_host, (cudaStream_t)stream);
+}
+
 /* gemm_fused_n96: gemm stage, gemm_fused_n96.py:main */
 static mokgen_gemm_fused_n96_Kernel_Module_t mod_gemm_fused_n96;
 static pthread_once_t once_gemm_fused_n96 = PTHREAD_ONCE_INIT;
@@ -440,6 +647,140 @@ int mokgen_gemm_fused_n96_routed_launch(void **data, const int32_t *dyn, void *s
     mokgen_gemm_fused_n96_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
     mokgen_gemm_fused_n96_routed_Tensor_status_host_t arg_status_host = {data[18]};
     return cute_dsl_mokgen_gemm_fused_n96_routed_wrapper(&mod_gemm_fused_n96_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, &arg_status_host, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n112: gemm stage, gemm_fused_n112.py:main */
+static mokgen_gemm_fused_n112_Kernel_Module_t mod_gemm_fused_n112;
+static pthread_once_t once_gemm_fused_n112 = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n112 = 0;
+static void load_gemm_fused_n112(void) {
+    mokgen_gemm_fused_n112_Kernel_Module_Load(&mod_gemm_fused_n112);
+    load_err_gemm_fused_n112 = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n112_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n112, load_gemm_fused_n112);
+    if (load_err_gemm_fused_n112) return load_err_gemm_fused_n112;
+    (void)dyn;
+    mokgen_gemm_fused_n112_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n112_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n112_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n112_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n112_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n112_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n112_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n112_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n112_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n112_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n112_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n112_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n112_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n112_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n112_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n112_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n112_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n112_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_n112_wrapper(&mod_gemm_fused_n112, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_status_host, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n112_routed: gemm stage, gemm_fused_n112_routed.py:main */
+static mokgen_gemm_fused_n112_routed_Kernel_Module_t mod_gemm_fused_n112_routed;
+static pthread_once_t once_gemm_fused_n112_routed = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n112_routed = 0;
+static void load_gemm_fused_n112_routed(void) {
+    mokgen_gemm_fused_n112_routed_Kernel_Module_Load(&mod_gemm_fused_n112_routed);
+    load_err_gemm_fused_n112_routed = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n112_routed_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n112_routed, load_gemm_fused_n112_routed);
+    if (load_err_gemm_fused_n112_routed) return load_err_gemm_fused_n112_routed;
+    (void)dyn;
+    mokgen_gemm_fused_n112_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n112_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n112_routed_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n112_routed_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n112_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n112_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n112_routed_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n112_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n112_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n112_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n112_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n112_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n112_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n112_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n112_routed_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n112_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n112_routed_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n112_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
+    mokgen_gemm_fused_n112_routed_Tensor_status_host_t arg_status_host = {data[18]};
+    return cute_dsl_mokgen_gemm_fused_n112_routed_wrapper(&mod_gemm_fused_n112_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, &arg_status_host, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n144: gemm stage, gemm_fused_n144.py:main */
+static mokgen_gemm_fused_n144_Kernel_Module_t mod_gemm_fused_n144;
+static pthread_once_t once_gemm_fused_n144 = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n144 = 0;
+static void load_gemm_fused_n144(void) {
+    mokgen_gemm_fused_n144_Kernel_Module_Load(&mod_gemm_fused_n144);
+    load_err_gemm_fused_n144 = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n144_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n144, load_gemm_fused_n144);
+    if (load_err_gemm_fused_n144) return load_err_gemm_fused_n144;
+    (void)dyn;
+    mokgen_gemm_fused_n144_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n144_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n144_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n144_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n144_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n144_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n144_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n144_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n144_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n144_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n144_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n144_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n144_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n144_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n144_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n144_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n144_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n144_Tensor_status_host_t arg_status_host = {data[17]};
+    return cute_dsl_mokgen_gemm_fused_n144_wrapper(&mod_gemm_fused_n144, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_status_host, (cudaStream_t)stream);
+}
+
+/* gemm_fused_n144_routed: gemm stage, gemm_fused_n144_routed.py:main */
+static mokgen_gemm_fused_n144_routed_Kernel_Module_t mod_gemm_fused_n144_routed;
+static pthread_once_t once_gemm_fused_n144_routed = PTHREAD_ONCE_INIT;
+static int load_err_gemm_fused_n144_routed = 0;
+static void load_gemm_fused_n144_routed(void) {
+    mokgen_gemm_fused_n144_routed_Kernel_Module_Load(&mod_gemm_fused_n144_routed);
+    load_err_gemm_fused_n144_routed = (int)cudaGetLastError();
+}
+int mokgen_gemm_fused_n144_routed_launch(void **data, const int32_t *dyn, void *stream) {
+    pthread_once(&once_gemm_fused_n144_routed, load_gemm_fused_n144_routed);
+    if (load_err_gemm_fused_n144_routed) return load_err_gemm_fused_n144_routed;
+    (void)dyn;
+    mokgen_gemm_fused_n144_routed_Tensor_a_t arg_a = {data[0], {dyn[0]}};
+    mokgen_gemm_fused_n144_routed_Tensor_row_token_t arg_row_token = {data[1], {dyn[1]}};
+    mokgen_gemm_fused_n144_routed_Tensor_b0_t arg_b0 = {data[2]};
+    mokgen_gemm_fused_n144_routed_Tensor_b1_t arg_b1 = {data[3]};
+    mokgen_gemm_fused_n144_routed_Tensor_tile_expert_t arg_tile_expert = {data[4], {dyn[2]}};
+    mokgen_gemm_fused_n144_routed_Tensor_tile_counter_t arg_tile_counter = {data[5]};
+    mokgen_gemm_fused_n144_routed_Tensor_b2_t arg_b2 = {data[6]};
+    mokgen_gemm_fused_n144_routed_Tensor_c_t arg_c = {data[7], {dyn[3]}};
+    mokgen_gemm_fused_n144_routed_Tensor_c2_t arg_c2 = {data[8], {dyn[4]}};
+    mokgen_gemm_fused_n144_routed_Tensor_h_ready_t arg_h_ready = {data[9], {dyn[5]}};
+    mokgen_gemm_fused_n144_routed_Tensor_ids_t arg_ids = {data[10], {dyn[6]}};
+    mokgen_gemm_fused_n144_routed_Tensor_weights_t arg_weights = {data[11], {dyn[7]}};
+    mokgen_gemm_fused_n144_routed_Tensor_pos_t arg_pos = {data[12], {dyn[8]}};
+    mokgen_gemm_fused_n144_routed_Tensor_out_t arg_out = {data[13], {dyn[9]}};
+    mokgen_gemm_fused_n144_routed_Tensor_counts_t arg_counts = {data[14]};
+    mokgen_gemm_fused_n144_routed_Tensor_launch_sync_t arg_launch_sync = {data[15]};
+    mokgen_gemm_fused_n144_routed_Tensor_chunk_hist_t arg_chunk_hist = {data[16], {dyn[10]}};
+    mokgen_gemm_fused_n144_routed_Tensor_logits_t arg_logits = {data[17], {dyn[11]}};
+    mokgen_gemm_fused_n144_routed_Tensor_status_host_t arg_status_host = {data[18]};
+    return cute_dsl_mokgen_gemm_fused_n144_routed_wrapper(&mod_gemm_fused_n144_routed, &arg_a, &arg_row_token, &arg_b0, &arg_b1, &arg_tile_expert, &arg_tile_counter, &arg_b2, &arg_c, &arg_c2, &arg_h_ready, &arg_ids, &arg_weights, &arg_pos, &arg_out, &arg_counts, &arg_launch_sync, &arg_chunk_hist, &arg_logits, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_fused_n160: gemm stage, gemm_fused_n160.py:main */

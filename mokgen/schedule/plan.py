@@ -205,8 +205,8 @@ def choose_gemm_tiling(n_size: int, k_size: int, epilogue: str, target: Target, 
         elif tile_n not in candidates:
             raise PlanError(f"N tile {tile_n} does not fit the accumulator budget (legal: {candidates})")
     # The epilogue's sub-tiles run along the C tile's second mode: swapped, the tile is stored
-    # transposed (weight rows x token rows), 32 token rows at a time.
-    epi_tile = (tile_n, 32) if swap else (tile_m, 32)
+    # transposed (weight rows x token rows), 32 token rows at a time (16 where 32 do not divide them).
+    epi_tile = (tile_n, swap_epi_rows(tile_m)) if swap else (tile_m, 32)
     def fitting_stages(k_block: int, epi_buffers: int) -> int:
         """A/B stages of K blocks this deep that fit beside the epilogue's buffers."""
         epi = epi_tile[0] * epi_tile[1] * 2 * epi_buffers
@@ -307,12 +307,23 @@ SWAP_GATHER_LAG = 2
 SWAP_GATHER_LAG_MAX_ROWS = 64
 
 
+# A swapped tile's token rows are a multiple of SWAP_ROW_STEP (the epilogue stores them 32 at a
+# time, or 16 where 32 do not divide them; the transposing stmatrix writes 8 x 8 pieces).
+SWAP_ROW_STEP = 16
+
+
+def swap_epi_rows(tile_m: int) -> int:
+    """Token rows per epilogue sub-tile of a swapped tile."""
+    return 32 if tile_m % 32 == 0 else 16
+
+
 def check_swap_tiling(tile_m: int, tile_n: int, num_b: int) -> None:
     if tile_n not in (WGMMA_ROWS, SWAP_TILE_N):
         raise PlanError(f"swapped tiles: N tile {tile_n}, only {WGMMA_ROWS} or {SWAP_TILE_N} (one or two warpgroups "
                         "of 64 weight rows)")
-    if tile_m % 32 or not 32 <= tile_m <= 256:
-        raise PlanError(f"swapped tiles: {tile_m} token rows, a multiple of 32 in [32, 256] (the epilogue's sub-tiles)")
+    if tile_m % SWAP_ROW_STEP or not SWAP_ROW_STEP <= tile_m <= 256:
+        raise PlanError(f"swapped tiles: {tile_m} token rows, a multiple of {SWAP_ROW_STEP} in [{SWAP_ROW_STEP}, 256] (the "
+                        "epilogue's sub-tiles)")
     if num_b * tile_m // 2 > SWAP_ACC_MAX:
         raise PlanError(f"swapped tiles: {tile_m} token rows need {num_b * tile_m // 2} accumulator registers per "
                         f"thread, at most {SWAP_ACC_MAX}")
@@ -932,14 +943,18 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
 FUSED_MAX_TOKENS = 2048
 # The single launch's tiles by T (launch_bands). Each expert's rows are padded to its M tile, and
 # an M tile's weights stream into an SM once per tile: the tile that holds all of an expert's rows
-# with the least padding wins. Swapped tiles (check_swap_tiling) hold any multiple of 32 rows;
-# the plain launch's row_tile rows (128: two 64-row warpgroups, a slice of padding rows skips its
-# MMAs) beyond the largest swapped one. Routed counts scatter around their mean r = T*K/E
-# (binomial: sd about sqrt(r)), so a tile of n rows serves r + SWAP_SPREAD*sqrt(r) <= n. Measured
-# on an H200 (E64 K8 H2048 I1024, the same bits, docs/perf.md): 32 rows 1.03x the 64-row plain
-# launch at T=64, 64 rows 1.015x at T=256, 160 rows 1.13x the 128-row launch at T=1024 (0.94x at
-# T=512, where 160 rows are mostly padding: 96 serves it).
-SWAP_ROWS = (32, 64, 96, 160)
+# with the least padding wins. Swapped tiles (check_swap_tiling) hold any multiple of
+# SWAP_ROW_STEP rows; the plain launch's row_tile rows (128: two 64-row warpgroups, a slice of
+# padding rows skips its MMAs) beyond the largest swapped one, and in place of a swapped tile of
+# as many rows. Routed counts scatter around their mean r = T*K/E (binomial: sd about sqrt(r)),
+# so a tile of n rows serves r + SWAP_SPREAD*sqrt(r) <= n. Measured on an H200 (E64 K8 H2048
+# I1024, the same bits, docs/perf.md): 32 rows 1.03x the 64-row plain launch at T=64, 64 rows
+# 1.015x at T=256, 160 rows 1.13x the 128-row launch at T=1024 (0.94x at T=512, where 160 rows are
+# mostly padding: 96 serves it). A tile's padding rows still cost it their gathered x rows and
+# h rows, which queue with the weights into its SM, so the sizes step by 16 rows: against the
+# sizes in steps of 32, 1.02x-1.03x at E64 T = 64 / 200-268 / 450 / 650 / 900 (16, 48, 80, 112 and
+# 144 rows), 1.02-1.08x on E40 K6 H1536 I640, 1.02x on E128 K8 H2048 I768 (48 rows).
+SWAP_ROWS = (16, 32, 48, 64, 80, 96, 112, 144, 160)
 SWAP_SPREAD = 2.5
 # A layer with few weight tiles (E x I / SWAP_TILE_N gate/up tiles under SWAP_MIN_WAVES per SM)
 # loses more to the last wave of tiles than an expert's rows spilling into a second tile costs:
@@ -1300,9 +1315,9 @@ def check_overrides(overrides: dict) -> None:
                 raise PlanError(f"{key} must be true or false")
             continue
         if key == "swap_rows":
-            if not isinstance(value, list) or any(isinstance(n, bool) or not isinstance(n, int) or n % 32
-                                                  or not 32 <= n <= 160 for n in value):
-                raise PlanError(f"swap_rows must be a list of multiples of 32 in [32, 160], got {value!r}")
+            if not isinstance(value, list) or any(isinstance(n, bool) or not isinstance(n, int) or n % SWAP_ROW_STEP
+                                                  or not SWAP_ROW_STEP <= n <= 160 for n in value):
+                raise PlanError(f"swap_rows must be a list of multiples of {SWAP_ROW_STEP} in [{SWAP_ROW_STEP}, 160], got {value!r}")
             continue
         if not key.endswith(".raster") and (isinstance(value, bool) or not isinstance(value, int)):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
