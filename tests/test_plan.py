@@ -787,4 +787,8 @@ def test_single_launch_mirrors_its_error_code():
         assert k.args[-1].tensor == "status_host"
         assert k.params["finished_slot"] not in {k.params["sched_slot"], k.params["used_slot"], k.params["done_slot"]}
     assert "status_mirror" in {k.name for k in plan.kernels}  # (the per-GEMM forward, the backward)
-    assert not [k for k in make_plan(spec, overrides={"mirror_status": False}).kernels if k.params.get("mirror_status")]
+    off = make_plan(spec, overrides={"mirror_status": False})
+    assert not [k for k in off.kernels if k.params.get("mirror_status")]
+    # (and no counter of finished CTAs is kept for it)
+    counters = {b.name: b.shape for b in off.buffers}["tile_counters"]
+    assert int(counters[0]) == int({b.name: b.shape for b in plan.buffers}["tile_counters"][0]) - 1

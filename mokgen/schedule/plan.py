@@ -433,7 +433,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     gemm_returns = ep and expert_parallel.gemm_returns(overrides or {})
     slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
         + (["down_done"] if fused_combine else []) + (["combine_next"] if combine_early else []) \
-        + (["launch_done"] if fused_combine else []) \
+        + (["launch_done"] if fused_combine and (overrides or {}).get("mirror_status", MIRROR_STATUS) else []) \
         + (["ep_return"] if gemm_returns else []) \
         + (["xs_copy"] if backward and not ep else []) + ["status"]
     used_slot = slots.index("used") if fuse else 0
