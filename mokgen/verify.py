@@ -181,6 +181,23 @@ def run_backward_poisoned(variant, inputs, dout, saved: bool = True):
     return {k: g for k, g in zip(GRADIENTS + SHARED_GRADIENTS, grads) if g is not None}
 
 
+def reference_backward_bytes(spec, tokens: int) -> int:
+    """About the GPU memory moe_reference_backward takes at T = tokens: every weight as a
+    float64 leaf and its float64 gradient (16 bytes an element), x, dout, dx and the output in
+    float64, and every expert's float64 intermediates (its rows' gate, up, SwiGLU, output and
+    their gradients: autograd keeps them all until the backward). E256 K8 H7168 I2048: about 180 GB, more than one GPU holds."""
+    weights = spec.experts * 3 * spec.hidden * spec.intermediate + 3 * spec.hidden * spec.shared_intermediate
+    rows = tokens * spec.topk
+    return 16 * weights + 8 * tokens * spec.hidden * 6 + 8 * rows * (spec.intermediate * 6 + spec.hidden * 2)
+
+
+def free_gpu_bytes() -> int:
+    """What torch can still allocate on the current GPU: free device memory and its own cached
+    blocks."""
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
 def check_backward(variant, tokens: int, routing: str, gen=None, saved: bool = True) -> BackwardResult:
     """Every gradient of the generated backward against float64 autograd of the reference."""
     from .reference import moe_reference_backward

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mokgen.ir import PRESETS, MoESpec
-from mokgen.schedule.plan import L2_EVICT_FIRST, L2_EVICT_LAST
+from mokgen.schedule.plan import L2_EVICT_FIRST, L2_EVICT_LAST, SWAP_ROWS
 
 pytestmark = pytest.mark.compile
 
@@ -73,7 +73,7 @@ def test_gemm_sass_uses_hgmma_without_local_memory(built, spec):
 def test_swapped_tiles_put_the_token_rows_on_the_wgmma_n(built):
     """The single launch's bands by T run swapped tiles: the wgmma's N is the band's token rows
     (HGMMA.64x<rows>), the weights its M, and the epilogue stores C transposed (stmatrix .trans);
-    the 32-row band reads K blocks of 128 (16 wgmma per stage, two accumulators)."""
+    the 16- and 32-row bands read K blocks of 128 (16 wgmma per stage, two accumulators)."""
     tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed")
@@ -83,7 +83,7 @@ def test_swapped_tiles_put_the_token_rows_on_the_wgmma_n(built):
     path = built[spec.variant]
     plan = json.loads((path / "manifest.json").read_text())["plan"]
     bands = [k for k in plan["kernels"] if k["params"].get("swap")]
-    assert {k["params"]["tile_m"] for k in bands} == {32, 64, 96, 160}
+    assert {k["params"]["tile_m"] for k in bands} == set(SWAP_ROWS)
     for k in bands:
         sass = subprocess.run([tool, str(path / "build" / f"{k['name']}.cubin")], capture_output=True, text=True,
                               check=True).stdout

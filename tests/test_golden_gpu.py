@@ -592,7 +592,7 @@ def band_tokens(plan):
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3]], ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
 def test_every_band_of_the_single_launch_is_golden_and_gives_the_multi_kernel_bits(shape, routing, gen):
-    """The single launch in each of its tile sizes (swapped tiles of 32 to 160 token rows, the
+    """The single launch in each of its tile sizes (swapped tiles of 16 to 160 token rows, the
     plain 128-row tiles), at the first, a middle and the last T of its band: against the float64
     reference, with poisoned workspace and output, and bit for bit the multi-kernel path's."""
     import mokgen

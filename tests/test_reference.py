@@ -77,3 +77,17 @@ def test_torch_baselines_compute_the_layer(shared):
     ws = (torch.cat([sg, su]), sd) if shared else None
     assert rel_error(torch_loop(x, ids, w, wg, wu, wd, ws), ref) < 1e-2
     assert rel_error(torch_grouped_mm(x, ids, w, torch.cat([wg, wu], 1), wd, 64, ws), ref) < 1e-2
+
+
+def test_reference_backward_memory_estimate():
+    """`mokgen verify` reports a backward as not checked, before any GPU work, where its float64
+    reference (every weight and its gradient in float64) would not fit: E256 K8 H7168 I2048's
+    takes about 180 GB, more than an H200 holds; E64 K8 H2048 I1024's about 9 GB at T = 4096."""
+    from mokgen.ir import MoESpec
+    from mokgen.verify import reference_backward_bytes
+
+    e256 = MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048)
+    assert reference_backward_bytes(e256, 1) >= 16 * 256 * 3 * 7168 * 2048 > 141 * 2**30
+    olmoe = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024)
+    assert 16 * 64 * 3 * 2048 * 1024 < reference_backward_bytes(olmoe, 4096) < 16 * 2**30
+    assert reference_backward_bytes(olmoe, 16384) > reference_backward_bytes(olmoe, 4096)
