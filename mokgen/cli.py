@@ -274,11 +274,11 @@ def verify(variant, tokens, routing, forward_only):
                        f"{'unwritten rows ' if res.unwritten else ''}{'ok' if res.ok else 'FAIL'}")
             if forward_only or not (v.has_backward or "backward_fp8" in v.plan["steps"]):
                 continue
-            need = reference_backward_bytes(v.spec, T)
-            if not fp8 and need > free_gpu_bytes():
+            need, free = reference_backward_bytes(v.spec, T), free_gpu_bytes()
+            if not fp8 and need > free:
                 unchecked += 1
                 click.echo(f"{v.name} T={T:<6d} {r:8s} backward NOT CHECKED: its float64 reference needs about "
-                           f"{need / 2**30:.0f} GiB of GPU memory, {free_gpu_bytes() / 2**30:.0f} GiB free")
+                           f"{need / 2**30:.0f} GiB of GPU memory, {free / 2**30:.0f} GiB free")
                 continue
             b = (check_backward_fp8 if fp8 else check_backward)(v, T, r.strip())
             bad += not b.ok

@@ -185,7 +185,8 @@ def reference_backward_bytes(spec, tokens: int) -> int:
     """About the GPU memory moe_reference_backward takes at T = tokens: every weight as a
     float64 leaf and its float64 gradient (16 bytes an element), x, dout, dx and the output in
     float64, and every expert's float64 intermediates (its rows' gate, up, SwiGLU, output and
-    their gradients: autograd keeps them all until the backward). E256 K8 H7168 I2048: about 180 GB, more than one GPU holds."""
+    their gradients: autograd keeps them all until the backward). E256 K8 H7168 I2048: about
+    180 GB, more than one GPU holds."""
     weights = spec.experts * 3 * spec.hidden * spec.intermediate + 3 * spec.hidden * spec.shared_intermediate
     rows = tokens * spec.topk
     return 16 * weights + 8 * tokens * spec.hidden * 6 + 8 * rows * (spec.intermediate * 6 + spec.hidden * 2)

@@ -416,6 +416,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # token for the down tiles of its rows, not for every down tile (not with a shared expert,
     # whose ys rows every token needs).
     combine_early = fused_combine and not S and bool((overrides or {}).get("combine_early", COMBINE_EARLY))
+    # The single launch's last CTA copies the error code itself (MIRROR_STATUS, override
+    # mirror_status): it counts its finished CTAs in tile_counters' launch_done slot.
+    mirror_status = fused_combine and bool((overrides or {}).get("mirror_status", MIRROR_STATUS))
     if (overrides or {}).get("debug_break_combine") and not combine_early:
         raise PlanError("debug_break_combine: this Plan's single launch has no early combine to break")
     # tile_counters, one place for every slot; dispatch_count zeroes them all, so no extra
@@ -433,7 +436,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     gemm_returns = ep and expert_parallel.gemm_returns(overrides or {})
     slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
         + (["down_done"] if fused_combine else []) + (["combine_next"] if combine_early else []) \
-        + (["launch_done"] if fused_combine and (overrides or {}).get("mirror_status", MIRROR_STATUS) else []) \
+        + (["launch_done"] if mirror_status else []) \
         + (["ep_return"] if gemm_returns else []) \
         + (["xs_copy"] if backward and not ep else []) + ["status"]
     used_slot = slots.index("used") if fuse else 0
@@ -844,8 +847,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                             debug_break_combine=bool((overrides or {}).get("debug_break_combine")))
             k.warp_roles = k.warp_roles + ["a consumer warp with no tile left claims combine tasks, each waiting "
                                            "for the M tiles of its token's rows"]
-        if k.params.get("fused") and k.params.get("dispatch") and fused_combine \
-                and (overrides or {}).get("mirror_status", MIRROR_STATUS):
+        if k.params.get("fused") and k.params.get("dispatch") and mirror_status:
             # The single launch is its entry's only kernel: its last CTA mirrors the error code.
             k.params = dict(k.params, mirror_status=True, finished_slot=slots.index("launch_done"))
             k.warp_roles = k.warp_roles + ["thread 0 of the launch's last CTA: a set error code to pinned host memory"]
