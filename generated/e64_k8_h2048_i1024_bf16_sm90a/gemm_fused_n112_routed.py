@@ -125,14 +125,32 @@ SITE_SCHED = 3  # a warp waited for the tile scheduler (or it for its readers)
 
 
 @cute.jit
+def give_up_now(start: cutlass.Int64, status: cute.Pointer, code: cutlass.Int32) -> cutlass.Boolean:
+    """The rule every spin-wait here shares, asked after a poll that found its wait unfinished
+    (start: the wait's first globaltimer): after WAIT_TIMEOUT_NS the thread records code (the
+    first code recorded stays) and gives up; after STATUS_POLL_NS it gives up if another thread
+    has already recorded one."""
+    gave_up = cutlass.Boolean(False)
+    waited = cute.arch.globaltimer() - start
+    if waited > WAIT_TIMEOUT_NS:
+        cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=code, sem="relaxed", scope="gpu")
+        gave_up = True
+    elif waited > STATUS_POLL_NS:
+        if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
+            gave_up = True
+    return gave_up
+
+
+@cute.jit
 def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute.Pointer, site: cutlass.Int32,
                  failed: cutlass.Boolean) -> cutlass.Boolean:
     """Wait for an mbarrier phase, but never forever; returns whether this thread has given up.
     After WAIT_TIMEOUT_NS the thread records an error code (this kernel, the wait's site) in
     status and gives up; once any thread has recorded one, every later wait gives up within
-    STATUS_POLL_NS. A thread that has given up waits no more and arrives on no pipeline
-    barrier (callers skip their arrivals and TMA loads): an arrival out of phase can underflow
-    a barrier that still expects TMA bytes, which faults. So a deadlock ends the kernel
+    STATUS_POLL_NS (give_up_now, the rule every spin-wait of these kernels shares). A thread
+    that has given up waits no more and arrives on no pipeline barrier (callers skip their
+    arrivals and TMA loads): an arrival out of phase can underflow a barrier that still expects
+    TMA bytes, which faults. So a deadlock ends the kernel
     normally (garbage output, CUDA context intact) and the host raises a clear error."""
     gave_up = failed
     if not failed:
@@ -142,15 +160,8 @@ def wait_bounded(barrier: cute.Pointer, phase: cutlass.Int32, status: cute.Point
             while not done:
                 done = cute.arch.mbarrier_try_wait(barrier, phase)
                 if not done:
-                    waited = cute.arch.globaltimer() - start
-                    if waited > WAIT_TIMEOUT_NS:
-                        cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=ERROR_BASE + site, sem="relaxed", scope="gpu")
-                        done = True
-                        gave_up = True
-                    elif waited > STATUS_POLL_NS:
-                        if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
-                            done = True
-                            gave_up = True
+                    gave_up = give_up_now(start, status, ERROR_BASE + site)
+                    done = gave_up
     return gave_up
 
 
@@ -241,15 +252,9 @@ def wait_count_bounded(counter: cute.Pointer, target: cutlass.Int32, status: cut
             while seen < target:
                 seen = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
                 if seen < target:
-                    waited = cute.arch.globaltimer() - start
-                    if waited > WAIT_TIMEOUT_NS:
-                        cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_BASE + site), sem="relaxed", scope="gpu")
+                    gave_up = give_up_now(start, status, cutlass.Int32(ERROR_BASE + site))
+                    if gave_up:
                         seen = target
-                        gave_up = True
-                    elif waited > STATUS_POLL_NS:
-                        if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
-                            seen = target
-                            gave_up = True
     cute.arch.fence_proxy("async.global")
     return gave_up
 
@@ -286,16 +291,8 @@ def wait_token_rows(h_ready: cute.Tensor, rows_pos: cute.Tensor, lane: cutlass.I
             if not ready:
                 ready = cute.arch.load(h_ready.iterator + m, cutlass.Int32, sem="acquire", scope="gpu") >= DOWN_STORED
             if not ready:
-                waited = cute.arch.globaltimer() - start
-                if waited > WAIT_TIMEOUT_NS:
-                    cute.arch.atomic_cas(status, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_BASE + SITE_COMBINE),
-                                         sem="relaxed", scope="gpu")
-                    ready = True
-                    gave_up = True
-                elif waited > STATUS_POLL_NS:
-                    if cute.arch.atomic_add(status, cutlass.Int32(0), sem="relaxed", scope="gpu") != 0:
-                        ready = True
-                        gave_up = True
+                gave_up = give_up_now(start, status, cutlass.Int32(ERROR_BASE + SITE_COMBINE))
+                ready = gave_up
             all_ready = cute.arch.vote_all_sync(ready)
     cute.arch.fence_acq_rel_gpu()  # each lane's acquire covers every lane's reads of y
     return cute.arch.vote_any_sync(gave_up)
