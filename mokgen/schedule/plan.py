@@ -314,7 +314,7 @@ SWAP_ROW_STEP = 16
 
 def swap_epi_rows(tile_m: int) -> int:
     """Token rows per epilogue sub-tile of a swapped tile."""
-    return 32 if tile_m % 32 == 0 else 16
+    return 32 if tile_m % 32 == 0 else SWAP_ROW_STEP
 
 
 def check_swap_tiling(tile_m: int, tile_n: int, num_b: int) -> None:
