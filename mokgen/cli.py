@@ -81,7 +81,7 @@ def main():
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Variants directory (default: $MOKGEN_HOME or the source tree's generated/).")
 @click.option("--jobs", "-j", type=int, default=None, help="Parallel compile processes.")
-@click.option("--force", is_flag=True, help="Rebuild even if up to date.")
+@click.option("--force", is_flag=True, help="Rebuild even if up to date, compiling every kernel (no artifacts reused).")
 @click.option("--no-compile", is_flag=True, help="Render the source only (no CuTe-DSL needed).")
 @click.option("--from-manifest", "manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Build the spec recorded in a variant's manifest.json (other spec flags ignored).")

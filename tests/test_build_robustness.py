@@ -122,3 +122,48 @@ def test_a_plan_change_no_source_sees_rewrites_the_manifest_without_compiling(tm
     build(A, tmp_path, log=lambda m: None)
     assert (path / "manifest.json").read_text() == fresh
     assert (path / "build" / "build.json").stat().st_mtime_ns != stamp
+
+
+def test_kernel_keys_follow_every_input_of_a_kernels_compile(tmp_path):
+    """A kernel's key changes with its rendered module, its arguments and the target arch, and
+    with nothing another kernel has: so reuse_unchanged copies only what would compile alike."""
+    from mokgen.codegen.build import kernel_keys
+
+    plan = make_plan(A)
+    files = render(plan)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    d = json.loads(files["manifest.json"])["plan"]
+    keys = kernel_keys(d, tmp_path)
+    assert set(keys) == {k["name"] for k in d["kernels"]} and len(set(keys.values())) == len(keys)
+    assert kernel_keys(d, tmp_path) == keys  # (deterministic)
+    (tmp_path / "combine.py").write_text(files["combine.py"] + "\n# another source\n")
+    changed = kernel_keys(d, tmp_path)
+    assert {n for n in keys if changed[n] != keys[n]} == {k["name"] for k in d["kernels"] if k["module"] == "combine"}
+    (tmp_path / "combine.py").write_text(files["combine.py"])
+    k = next(k for k in d["kernels"] if k["name"] == "gemm_down")
+    k["args"][0]["shape"] = ["M", 1]  # (a fake tensor of another shape)
+    assert {n for n, v in kernel_keys(d, tmp_path).items() if v != keys[n]} == {"gemm_down"}
+    d["target"]["arch"] = "sm_100a"
+    assert all(v != keys[n] for n, v in kernel_keys(d, tmp_path).items())
+
+
+@pytest.mark.compile
+def test_a_rebuild_compiles_only_the_kernels_that_changed(tmp_path):
+    """A build whose Plan changes one kernel compiles that kernel and copies the others'
+    artifacts from the build it replaces; --force (force=True) compiles them all again."""
+    from mokgen.codegen import build
+
+    path = build(A, tmp_path, log=lambda m: None)
+    kernels = json.loads((path / "build" / "build.json").read_text())["kernels"]
+    stamps = {n: (path / "build" / f"{n}.o").read_bytes() for n in kernels}
+    logs = []
+    build(A, tmp_path, overrides={"gemm_down.epi_stages": 4}, log=logs.append)
+    built = json.loads((path / "build" / "build.json").read_text())
+    assert any("compiling 1 kernels" in m and f"{len(kernels) - 1} unchanged" in m for m in logs), logs
+    assert [m for m in logs if "compiled" in m and "gemm_down" in m]
+    assert all((path / "build" / f"{n}.o").read_bytes() == stamps[n] for n in kernels if n != "gemm_down")
+    assert set(built["kernel_keys"]) == set(kernels)
+    logs.clear()
+    build(A, tmp_path, overrides={"gemm_down.epi_stages": 4}, force=True, log=logs.append)
+    assert not [m for m in logs if "unchanged" in m]

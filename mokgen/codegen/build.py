@@ -95,6 +95,46 @@ def only_notes_differ(variant_dir: Path, files: dict[str, str]) -> bool:
         {k: v for k, v in old.items() if k != "plan"} == {k: v for k, v in new.items() if k != "plan"}
 
 
+ARTIFACTS = (".o", ".h", ".ptx", ".cubin")  # what the compile worker writes per kernel
+
+
+def kernel_keys(plan: dict, src: Path) -> dict[str, str]:
+    """name -> a hash of everything a kernel's compiled artifacts depend on: its rendered module
+    (the templates' code and every number in it), its arguments (the fake tensors' dtypes and
+    shapes), its entry, the target arch, the compile worker and the CuTe-DSL version."""
+    import hashlib
+    import importlib.metadata as md
+
+    common = [plan["target"]["arch"], md.version("nvidia-cutlass-dsl"),
+              (Path(__file__).parent / "compile_worker.py").read_text()]
+    sources: dict = {}
+    keys = {}
+    for k in plan["kernels"]:
+        if k["module"] not in sources:
+            sources[k["module"]] = (src / f"{k['module']}.py").read_text()
+        what = json.dumps([common, sources[k["module"]], k["name"], k["entry"], k["args"]], sort_keys=True)
+        keys[k["name"]] = hashlib.sha256(what.encode()).hexdigest()
+    return keys
+
+
+def reuse_unchanged(old_build: Path, build_dir: Path, keys: dict[str, str]) -> set[str]:
+    """Copy into build_dir the artifacts of the kernels whose key equals the one the previous
+    build (old_build) recorded for them, so only changed kernels compile again: a template
+    change that touches a few kernels rebuilds those, not the variant. Returns their names."""
+    try:
+        old = json.loads((old_build / "build.json").read_text()).get("kernel_keys", {})
+    except (FileNotFoundError, json.JSONDecodeError):
+        return set()
+    reused = set()
+    for name, key in keys.items():
+        files = [old_build / f"{name}{ext}" for ext in ARTIFACTS]
+        if old.get(name) == key and all(f.exists() for f in files):
+            for f in files:
+                shutil.copy2(f, build_dir / f.name)
+            reused.add(name)
+    return reused
+
+
 @contextlib.contextmanager
 def _lock(out: Path, variant: str):
     out.mkdir(parents=True, exist_ok=True)
@@ -219,12 +259,17 @@ def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, fo
                 build_dir.mkdir()
                 shutil.copy(tmp / "launch.c", build_dir / "launch.c")
                 names = [k.name for k in plan.kernels]
-                jobs = jobs or max(1, min(len(names), os.cpu_count() or 1))
+                keys = kernel_keys(json.loads(files["manifest.json"])["plan"], tmp)
+                reused = set() if force else reuse_unchanged(final / "build", build_dir, keys)
                 # Kernels of one module compile in one worker: it renders and imports once.
                 by_module: dict[str, list[str]] = {}
                 for k in plan.kernels:
-                    by_module.setdefault(k.module, []).append(k.name)
-                log(f"{plan.variant}: compiling {len(names)} kernels for {plan.target['arch']} ({jobs} processes)")
+                    if k.name not in reused:
+                        by_module.setdefault(k.module, []).append(k.name)
+                todo = len(names) - len(reused)
+                jobs = jobs or max(1, min(todo, os.cpu_count() or 1))
+                log(f"{plan.variant}: compiling {todo} kernels for {plan.target['arch']} ({jobs} processes)"
+                    + (f"; {len(reused)} unchanged since the last build, reused" if reused else ""))
                 _compile(tmp, build_dir, list(by_module.values()), jobs, log)
                 _link(build_dir, names)
                 import importlib.metadata as md
@@ -235,6 +280,7 @@ def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, fo
                     "cute_dsl_version": md.version("nvidia-cutlass-dsl"),
                     "seconds": round(time.time() - t0, 1),
                     "kernels": names,
+                    "kernel_keys": keys,  # (reuse_unchanged)
                 }, indent=1, sort_keys=True))
             _publish(tmp, final)
             log(f"{plan.variant}: built in {time.time() - t0:.1f}s -> {final}")
