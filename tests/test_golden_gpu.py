@@ -353,15 +353,16 @@ def test_torch_compile_fake(gen):
 
 # Debug builds whose waits give up after half a second and that never finish:
 #   deadlock:           the gate/up pipeline deadlocks (the gather releases its stages too
-#                       late, past the bound the Plan normally enforces);
+#                       late, past the bound the Plan normally enforces), and so does the
+#                       backward's bwd_dgrad_down (test_a_deadlocked_backward_fails_fast);
 #   broken_dependency:  the single launch's down tiles wait for one gate/up tile more than
 #                       an M tile has, so their h_ready counter never gets there;
 #   broken_dispatch:    the single launch's CTAs wait for one chunk of pairs more to be counted
 #                       than there are (one expert more where they count by experts).
 # (overrides, tokens, the kernel and the wait the error must name)
 BROKEN_BUILDS = {
-    "deadlock": ({"debug_unchecked": True, "gemm_gateup.gather_lag": 3, "wait_timeout_ms": 500}, 4096,
-                 "gemm_gateup", "pipeline stage"),
+    "deadlock": ({"debug_unchecked": True, "gemm_gateup.gather_lag": 3, "bwd_dgrad_down.gather_lag": 3,
+                  "wait_timeout_ms": 500}, 4096, "gemm_gateup", "pipeline stage"),
     "broken_dependency": ({"fuse_gemms": True, "debug_break_dependency": True, "wait_timeout_ms": 500}, 64,
                           "gemm_fused", "h_ready"),
     "broken_dispatch": ({"fuse_gemms": True, "debug_break_dispatch": True, "wait_timeout_ms": 500}, 64,
@@ -403,6 +404,25 @@ def test_a_deadlocked_kernel_fails_fast_instead_of_hanging(broken):
         f"v = mokgen.load({str(path)!r})\n"
         f"x, ids, w, wg, wu, wd, _ = make_inputs(v.spec, {tokens}, 'uniform')\n",
         "v.forward(x, ids, w, wg, wu, wd)", "good.forward(x, ids, w, wg, wu, wd)", (kernel, site))
+
+
+def test_a_deadlocked_backward_fails_fast():
+    """The backward's error code reaches the host through its last kernel (wgrad_up's last CTA
+    copies it; no status_mirror launch follows): a deadlock in bwd_dgrad_down ends in
+    KernelTimeout naming it, and the context still serves a normal call."""
+    from stall_check import assert_fails_fast
+
+    overrides, tokens, *_ = BROKEN_BUILDS["deadlock"]
+    path = built_path(spec_of(SHAPES[0]), deadlock_dir("deadlock"), overrides)
+    assert_fails_fast(
+        "from mokgen.verify import make_inputs\n"
+        f"v = mokgen.load({str(path)!r})\n"
+        "assert v.plan['steps']['backward'][-1] == 'wgrad_up' and 'backward' in v._mirrored\n"
+        f"x, ids, w, wg, wu, wd, _ = make_inputs(v.spec, {tokens}, 'uniform')\n"
+        "out, *saved = v.forward_train(x, ids, w, wg, wu, wd)\n"
+        "v.check_errors()\n",  # (the training forward is sound: only the backward stalls)
+        "v.backward(torch.ones_like(out), x, ids, w, wg, wu, wd, saved=saved)",
+        "good.forward(x, ids, w, wg, wu, wd)", ("bwd_dgrad_down", "pipeline stage"))
 
 
 @pytest.mark.parametrize("T", [64, 1000, 4096])

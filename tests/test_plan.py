@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import random
@@ -772,21 +773,44 @@ def test_single_launch_tiles_by_tokens():
         make_plan(spec, overrides={"gemm_fused_n64.tile_n": 256})
 
 
-def test_single_launch_mirrors_its_error_code():
+def test_every_entrys_last_kernel_mirrors_its_error_code():
     """Every single launch that dispatches itself on one GPU (the bands and their routing twins)
     takes the runtime's pinned host word and a counter of finished CTAs, so its entry is one
-    launch with no status_mirror behind it; the per-GEMM path keeps status_mirror. Override
-    mirror_status: false keeps the launch behind every entry."""
+    launch with no status_mirror behind it; so do the per-GEMM path's last kernels, the combine
+    (its first thread, as it starts) and the backward's last GEMM (its last CTA, counting in the
+    same slot, which the runtime zeroes before the backward). status_mirror stays for the
+    entries whose last kernel cannot (FP8's weight gradients) and those with side-stream
+    kernels (expert parallel). Override mirror_status: false keeps the launch behind every entry."""
+    from mokgen.runtime.variant import mirrored_entries
+
     spec = PRESETS["olmoe"]
     plan = make_plan(spec)
     mirrored = {k.name for k in plan.kernels if k.params.get("mirror_status")}
-    assert mirrored == {n for entry, names in plan.steps.items()
-                        if re.fullmatch(r"forward_(fused|routed|n\d+|routed_n\d+)", entry) for n in names}
-    for name in mirrored:
+    fused = {n for entry, names in plan.steps.items()
+             if re.fullmatch(r"forward_(fused|routed|n\d+|routed_n\d+)", entry) for n in names}
+    assert mirrored == fused | {"combine", "wgrad_up"}
+    finished = {plan.kernel(n).params["finished_slot"] for n in mirrored - {"combine"}}
+    assert len(finished) == 1
+    for name in fused:
         k = plan.kernel(name)
         assert k.args[-1].tensor == "status_host"
         assert k.params["finished_slot"] not in {k.params["sched_slot"], k.params["used_slot"], k.params["done_slot"]}
-    assert "status_mirror" in {k.name for k in plan.kernels}  # (the per-GEMM forward, the backward)
+    assert [a.tensor for a in plan.kernel("combine").args][-2:] == ["tile_counters", "status_host"]
+    assert plan.kernel("combine").params["status_slot"] == plan.kernel("status_mirror").params["status_slot"]
+    assert plan.kernel("wgrad_up").args[-1].tensor == "status_host"
+    assert plan.zeroed["backward"] == ["tile_counters"]  # (the finished count starts at 0)
+    entries = mirrored_entries(plan.to_dict())
+    assert entries == {e for e in plan.steps if e not in ("route", "route_backward", "status")}
+    assert "status_mirror" in {k.name for k in plan.kernels}  # (a build from before, the entries above)
+    fp8 = make_plan(dataclasses.replace(spec, dtype="fp8"))
+    assert {"forward", "forward_train", "backward_data"} <= mirrored_entries(fp8.to_dict())
+    assert "backward_fp8" not in mirrored_entries(fp8.to_dict())  # (its weight gradients' GEMM cannot)
+    ep = make_plan(dataclasses.replace(spec, world_size=2, topology="nvlink"))
+    assert not {"forward", "forward_train", "backward"} & mirrored_entries(ep.to_dict())  # (side streams)
+    # (its backward ends in bwd_combine: no counter of finished CTAs is kept for it)
+    ep_off = make_plan(dataclasses.replace(spec, world_size=2, topology="nvlink"), overrides={"mirror_status": False})
+    assert [b.shape for b in ep.buffers if b.name == "tile_counters"] == \
+        [b.shape for b in ep_off.buffers if b.name == "tile_counters"]
     off = make_plan(spec, overrides={"mirror_status": False})
     assert not [k for k in off.kernels if k.params.get("mirror_status")]
     # (and no counter of finished CTAs is kept for it)

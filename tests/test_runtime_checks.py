@@ -458,18 +458,19 @@ def test_what_a_training_forward_hands_on_is_carved_from_one_allocation(monkeypa
     assert poisoned["ga"].isnan().all() and (poisoned["pos"] == -1).all()
 
 
-def test_a_single_launch_reports_its_own_error_code_and_nothing_launches_behind_it(monkeypatch):
-    """The single launch's entries copy the error code themselves (their last CTA): the runtime
-    binds the pinned host word into the launch and launches no status_mirror behind it; the
-    per-GEMM forward keeps status_mirror behind its kernels."""
+def test_a_mirrored_entry_reports_its_own_error_code_and_nothing_launches_behind_it(monkeypatch):
+    """An entry whose last kernel copies the error code itself (the single launch's last CTA, the
+    per-GEMM path's combine, the backward's last GEMM) gets the pinned host word bound and no
+    status_mirror launch behind it; an entry whose last kernel cannot, or a call that skips that
+    kernel (a rank without tokens), keeps status_mirror behind its kernels."""
     from mokgen.ir import PRESETS
     from mokgen.runtime import variant as V
     from mokgen.schedule.plan import make_plan
 
     plan = make_plan(PRESETS["olmoe"]).to_dict()
     mirrored = V.mirrored_entries(plan)
-    assert "forward_n64" in mirrored and "forward_routed_n64" in mirrored
-    assert "forward" not in mirrored and "backward" not in mirrored and "forward_train" not in mirrored
+    assert {"forward_n64", "forward_routed_n64", "forward", "forward_train", "backward"} <= mirrored
+    assert "status" not in mirrored and "route" not in mirrored
 
     v, launched = _bare_variant(monkeypatch, {"one": ["launch"], "multi": ["a", "b"], "status": ["status_mirror"]},
                                 {"launch": ["x", "status_host"], "a": ["x"], "b": ["out"],
@@ -491,3 +492,6 @@ def test_a_single_launch_reports_its_own_error_code_and_nothing_launches_behind_
     v._run_forward("multi", x, {}, None, None, None, None, None, None, "out")
     assert [n for n, *_ in launched] == ["a", "b", "status_mirror"]
     assert [id(t) for t in launched[-1][1]] == [id(counters), id(host)]
+    launched.clear()  # (a call that skips the mirroring kernel)
+    v._run_and_report("one", {"tile_counters": counters, "x": x}, "cpu", skip=frozenset({"launch"}))
+    assert [n for n, *_ in launched] == ["status_mirror"]

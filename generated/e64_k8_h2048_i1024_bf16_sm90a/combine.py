@@ -6,6 +6,11 @@ grid (T,), 256 threads; each thread owns 8 consecutive columns per step.
 The sum runs over k = 0..7 in order: a fixed
 order, so the same inputs always give the same bits. Pairs whose id is outside
 [0, 64) contribute nothing.
+
+The call's error code: this is its entry's last kernel, so CTA 0's first thread copies a set
+code (tile_counters[15]) to the runtime's pinned host word as it starts (every
+kernel before it on the stream has finished, and this one records none): no status_mirror
+launch follows the call.
 """
 import cuda.bindings.driver as cuda
 
@@ -17,6 +22,7 @@ TOPK = 8
 HIDDEN = 2048
 THREADS = 256
 VEC = 8
+STATUS_SLOT = 15  # tile_counters entry: the call's error code (0: none)
 
 
 @cute.kernel
@@ -26,9 +32,15 @@ def combine_kernel(
     pos: cute.Tensor,
     y: cute.Tensor,
     out: cute.Tensor,
+    tile_counters: cute.Tensor,
+    status_host: cute.Tensor,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     t, _, _ = cute.arch.block_idx()
+    if t == 0 and tidx == 0:  # the call's error code to the host word, only when set
+        code = tile_counters[STATUS_SLOT]
+        if code != 0:
+            status_host[0] = code
     # The token's K positions and weights first, read once: -1 (and weight 0) mark a pair that adds nothing.
     rows_pos = cute.make_rmem_tensor((TOPK,), cutlass.Int32)
     rows_w = cute.make_rmem_tensor((TOPK,), cutlass.Float32)
@@ -62,9 +74,11 @@ class Combine:
         pos: cute.Tensor,
         y: cute.Tensor,
         out: cute.Tensor,
+        tile_counters: cute.Tensor,
+        status_host: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        combine_kernel(ids, weights, pos, y, out).launch(
+        combine_kernel(ids, weights, pos, y, out, tile_counters, status_host).launch(
             grid=(out.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream
         )
 
@@ -72,5 +86,6 @@ class Combine:
 def compile_entry(fake, entry):
     args = [fake("ids"), fake("weights"), fake("pos"), fake("y")]
     args.append(fake("out"))
+    args += [fake("tile_counters"), fake("status_host")]
     args.append(fake.stream())
     return Combine(), tuple(args)

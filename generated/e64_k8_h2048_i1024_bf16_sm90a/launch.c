@@ -867,7 +867,9 @@ int mokgen_combine_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_combine_Tensor_pos_t arg_pos = {data[2], {dyn[2]}};
     mokgen_combine_Tensor_y_t arg_y = {data[3], {dyn[3]}};
     mokgen_combine_Tensor_out_t arg_out = {data[4], {dyn[4]}};
-    return cute_dsl_mokgen_combine_wrapper(&mod_combine, &arg_ids, &arg_weights, &arg_pos, &arg_y, &arg_out, (cudaStream_t)stream);
+    mokgen_combine_Tensor_tile_counters_t arg_tile_counters = {data[5]};
+    mokgen_combine_Tensor_status_host_t arg_status_host = {data[6]};
+    return cute_dsl_mokgen_combine_wrapper(&mod_combine, &arg_ids, &arg_weights, &arg_pos, &arg_y, &arg_out, &arg_tile_counters, &arg_status_host, (cudaStream_t)stream);
 }
 
 /* gemm_gateup_train: gemm_gateup stage, gemm_gateup_train.py:main */
@@ -1066,6 +1068,7 @@ int mokgen_wgrad_up_launch(void **data, const int32_t *dyn, void *stream) {
     mokgen_wgrad_up_Tensor_tile_expert_t arg_tile_expert = {data[2]};
     mokgen_wgrad_up_Tensor_tile_counter_t arg_tile_counter = {data[3]};
     mokgen_wgrad_up_Tensor_c_t arg_c = {data[4]};
-    return cute_dsl_mokgen_wgrad_up_wrapper(&mod_wgrad_up, &arg_a, &arg_b0, &arg_tile_expert, &arg_tile_counter, &arg_c, (cudaStream_t)stream);
+    mokgen_wgrad_up_Tensor_status_host_t arg_status_host = {data[5]};
+    return cute_dsl_mokgen_wgrad_up_wrapper(&mod_wgrad_up, &arg_a, &arg_b0, &arg_tile_expert, &arg_tile_counter, &arg_c, &arg_status_host, (cudaStream_t)stream);
 }
 

@@ -27,6 +27,10 @@ the expert's weights in L2). Warp roles (384 threads):
 Tile scheduler: producer thread 0 claims tile indices (atomicAdd, one tile ahead) and
 hands each to the CTA's warps through 2 shared-memory slots (full/empty mbarriers);
 -1 ends the walk.
+
+The call's error code: each CTA, once all its threads are done, adds 1 to tile_counter[13]
+(acq_rel); the last copies a set code (tile_counter[15]) to the runtime's pinned host
+word, so no status_mirror launch follows this one.
 """
 import cuda.bindings.driver as cuda
 
@@ -58,6 +62,7 @@ B_K = K_SIZE
 M_SIZE = 1024  # rows of each group's C (the contraction runs over the token rows)
 M_TILES = (M_SIZE + TILE_MNK[0] - 1) // TILE_MNK[0]
 ROW_ALIGN = 128  # each group's rows start on a multiple of this (dispatch's layout)
+FINISHED_SLOT = 13  # tile_counter entry: CTAs of the launch that are done (the last mirrors the status)
 GATHER_A = False
 GATHER_LAG = 1  # gathered stages in flight per producer warp before it releases the oldest
 VEC = 8  # bf16 elements per 16-byte cp.async
@@ -246,6 +251,7 @@ class WgradUp:
         tile_expert: cute.Tensor,  # here: the groups' row counts
         tile_counter: cute.Tensor,
         c: cute.Tensor,
+        status_host: cute.Tensor,
         stream: cuda.CUstream,
     ):
         # (M, rows, 1) and (N, rows, 1) views of the row-major A and B: both MN-major, the
@@ -294,6 +300,7 @@ class WgradUp:
             tma_c, tma_mC,
             tile_expert,
             tile_counter,
+            status_host,
             self.tiled_mma,
             self.a_smem_staged,
             self.b_smem_staged,
@@ -311,6 +318,7 @@ class WgradUp:
         mC: cute.Tensor,
         tile_expert: cute.Tensor,
         tile_counter: cute.Tensor,
+        status_host: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -514,6 +522,19 @@ class WgradUp:
                 tile = sched_read(sched_bar, sched_tile, sched_i, status)
             if store_warp:
                 store_pipeline.producer_tail()
+        # The call's error code (0: none) to the runtime's pinned host word, which the device
+        # addresses directly: once every thread of this CTA is done (none records an error
+        # after this), thread 0 counts the CTA (acq_rel), and the launch's last CTA copies a
+        # set code. That is the status_mirror launch's work, without a launch of its own.
+        cute.arch.sync_threads()
+        if tidx == 0:
+            grid_ctas, _, _ = cute.arch.grid_dim()
+            finished = cute.arch.atomic_add(tile_counter.iterator + FINISHED_SLOT, cutlass.Int32(1), sem="acq_rel",
+                                            scope="gpu")
+            if finished == grid_ctas - 1:
+                code = cute.arch.load(tile_counter.iterator + STATUS_SLOT, cutlass.Int32, sem="relaxed", scope="gpu")
+                if code != 0:
+                    status_host[0] = code
 
 
 def compile_entry(fake, entry):
@@ -522,5 +543,6 @@ def compile_entry(fake, entry):
     args.append(fake("b0"))
     args += [fake("tile_expert"), fake("tile_counter")]
     args.append(fake("c"))
+    args.append(fake("status_host"))
     args.append(fake.stream())
     return WgradUp(), tuple(args)

@@ -88,11 +88,14 @@ WAIT_SITES = {1: "a consumer waiting for a loaded pipeline stage", 2: "the produ
 
 
 def mirrored_entries(plan: dict) -> frozenset:
-    """The entries whose last kernel copies a set error code to the host word itself (a single
-    launch's last CTA, Plan mirror_status): no status_mirror launch goes behind them."""
+    """The entries whose last kernel copies a set error code to the host word itself (Plan
+    mirror_status: a single launch's last CTA, the per-GEMM path's combine, the backward's last
+    GEMM): no status_mirror launch goes behind them. Not an entry with side-stream kernels,
+    which are joined only after its last kernel."""
     params = {k["name"]: k["params"] for k in plan["kernels"]}
+    side = set(plan.get("side_stream", ()))
     return frozenset(entry for entry, names in plan["steps"].items()
-                     if names and params[names[-1]].get("mirror_status"))
+                     if names and params[names[-1]].get("mirror_status") and not side & set(names))
 
 
 def timeout_message(variant: str, gemm_by_slot: dict, code: int, timeout_ms: int) -> str:
@@ -266,8 +269,8 @@ class Variant:
                 self._gemm_by_slot[slot] = " or ".join(filter(None, [self._gemm_by_slot.get(slot), k["name"]]))
         self._status_host = None
         self._status_event = None
-        # Entries whose one kernel copies the error code to the host word itself (a single
-        # launch's last CTA, Plan mirror_status): no status_mirror launch behind them.
+        # Entries whose last kernel copies the error code to the host word itself (Plan
+        # mirror_status): no status_mirror launch behind them (_run_and_report).
         self._mirrored = mirrored_entries(self.plan)
         self.ops = None if self.profiling else _register_ops(self)
 
@@ -439,6 +442,16 @@ class Variant:
                 self._status_event = torch.cuda.Event()
             self._status_event.record()
 
+    def _run_and_report(self, entry: str, env: dict, device, skip=frozenset()) -> None:
+        """run(), and the call's error code to the pinned host word: by the entry's last kernel
+        itself where the Plan has it do so (mirrored entries; a rank without tokens that skips
+        that kernel does not), else by the status_mirror launch behind the call."""
+        if self._status_slot is not None:
+            env["status_host"] = self._host_word()  # (every kernel that mirrors binds it)
+        self.run(entry, env, device, skip=skip)
+        if entry not in self._mirrored or self.plan["steps"][entry][-1] in skip:
+            self._record_status(env)
+
     @functools.lru_cache(maxsize=64)
     def _steps(self, entry: str, skip: frozenset) -> tuple:
         """(name, the tensors it binds, whether it runs on the side stream) of each kernel of
@@ -529,12 +542,7 @@ class Variant:
             env.update(routing, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, out=out)
             if ws_gate is not None:
                 env.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
-            mirrored = entry in self._mirrored
-            if mirrored:  # (the launch's last CTA writes the host word)
-                env["status_host"] = self._host_word()
-            self.run(entry, env, x.device, skip=self._token_grids if tokens == 0 else ())
-            if not mirrored:
-                self._record_status(env)
+            self._run_and_report(entry, env, x.device, skip=self._token_grids if tokens == 0 else ())
         return env
 
     def forward_fp8(self, x, topk_ids, topk_weights, experts, out=None, save: bool = False):
@@ -559,8 +567,7 @@ class Variant:
                            w_down_q=experts.down.values, w_down_scales=experts.down.scales)
                 if save:
                     env["a13"] = a13
-                self.run(entry, env, x.device)
-                self._record_status(env)
+                self._run_and_report(entry, env, x.device)
         return (out, a13) if save else out
 
     def quantize_experts_fp8(self, w_gate, w_up, w_down):
@@ -600,8 +607,7 @@ class Variant:
         with on_device(x.device):
             env = self._workspace(x.shape[0], x.device, "backward_data")
             env.update(self._fp8_backward_inputs(dout, x, topk_ids, topk_weights, experts, dx, d_weights))
-            self.run("backward_data", env, x.device)
-            self._record_status(env)
+            self._run_and_report("backward_data", env, x.device)
         return dx, d_weights
 
     def backward_fp8(self, dout, x, topk_ids, topk_weights, experts, a13=None) -> dict:
@@ -627,8 +633,7 @@ class Variant:
                 env.update(self._fp8_backward_inputs(dout, x, topk_ids, topk_weights, experts, dx, d_weights), **d_w)
                 if a13 is not None:
                     env["a13"] = a13
-                self.run(entry, env, x.device)
-                self._record_status(env)
+                self._run_and_report(entry, env, x.device)
         return dict(dx=dx, d_topk_weights=d_weights, **d_w)
 
     def _data_gradient_outputs(self, x, topk_ids, topk_weights):
@@ -671,8 +676,7 @@ class Variant:
             self._check_status(wait=False)
             env.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down,
                        out=out, ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
-            self.run("forward_train", env, x.device, skip=self._token_grids if tokens == 0 else ())
-            self._record_status(env)
+            self._run_and_report("forward_train", env, x.device, skip=self._token_grids if tokens == 0 else ())
         return (out,) + saved
 
     def saved_shapes(self, tokens) -> dict:
@@ -745,8 +749,7 @@ class Variant:
                 skip = self._token_grids | {n for n in self.plan["steps"][entry] if "shared" in n}
                 for d in d_w[3:]:
                     d.zero_()
-            self.run(entry, env, x.device, skip=skip)
-            self._record_status(env)
+            self._run_and_report(entry, env, x.device, skip=skip)
         return tuple(grads)
 
     def why_no_backward(self) -> str:

@@ -208,7 +208,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     # combine, from the bf16 twin's Plan on the per-GEMM path, and the FP8 row buffers.
     import dataclasses
 
-    from .plan import Buffer, make_plan
+    from .plan import Buffer, make_plan, mirror_status_by_last_kernels
 
     twin = make_plan(dataclasses.replace(spec, dtype="bf16"), target,
                      {"row_tile": FP8_TILE_M, "fuse_gemms": False,
@@ -499,26 +499,29 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     # the backward: the row layout is a function of topk_ids, the same rows in the same order.)
     forward_train = [("gemm_gateup_fp8_train" if n == "gemm_gateup_fp8" else n) for n in forward]
     backward_fp8_saved = [n for n in backward_fp8 if n not in ("quantize_rows_fp8", "bwd_recompute_fp8")]
+    kernels = kernels[:2] + [quantize, gateup, down] + kernels[2:] + [
+        quantize_dout, recompute, dgrad_down, swiglu, dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down,
+        wgrad_gateup, swiglu_w, quantize_hw_t, quantize_dab_t, quantize_w13, quantize_w_down, gateup_train,
+        twin_gemms["status_mirror"]]
+    steps = {**{k.name: [k.name] for k in (quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu,
+                                           dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down, wgrad_gateup)},
+             "forward": forward, "backward_data": backward_data, "backward_fp8": backward_fp8,
+             "quantize_experts": ["quantize_w13_fp8", "quantize_w_down_fp8"],
+             "forward_train": forward_train, "backward_fp8_saved": backward_fp8_saved,
+             "status": ["status_mirror"]}
+    # The combines copy the call's error code themselves (FP8's GEMMs leave it to status_mirror).
+    kernels, mirror_why = mirror_status_by_last_kernels(kernels, steps, {}, [], n_counters,
+                                                        twin_gemms["status_mirror"].params["status_slot"], None)
     return Plan(
         format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
         target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
         buffers=buffers,
-        kernels=kernels[:2] + [quantize, gateup, down] + kernels[2:] + [quantize_dout, recompute, dgrad_down, swiglu,
-                                                                        dgrad_gateup, quantize_x_t, quantize_dout_t,
-                                                                        wgrad_down, wgrad_gateup, swiglu_w,
-                                                                        quantize_hw_t, quantize_dab_t,
-                                                                        quantize_w13, quantize_w_down, gateup_train,
-                                                                        twin_gemms["status_mirror"]],
-        steps={**{k.name: [k.name] for k in (quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu,
-                                             dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down, wgrad_gateup)},
-               "forward": forward, "backward_data": backward_data, "backward_fp8": backward_fp8,
-               "quantize_experts": ["quantize_w13_fp8", "quantize_w_down_fp8"],
-               "forward_train": forward_train, "backward_fp8_saved": backward_fp8_saved,
-               "status": ["status_mirror"]},
+        kernels=kernels,
+        steps=steps,
         flops=twin.flops,
         decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
                    "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
                    "combine; each FP8 kernel is also an entry point of its own for its golden test (docs/fp8.md)",
-                   why_gateup_tile, why_gateup, why_gateup_cluster, *why]
+                   why_gateup_tile, why_gateup, why_gateup_cluster, *why, *mirror_why]
         + ([f"overrides {json.dumps(overrides, sort_keys=True)}"] if overrides else []),
         overrides=overrides)

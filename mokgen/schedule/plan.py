@@ -416,9 +416,11 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # token for the down tiles of its rows, not for every down tile (not with a shared expert,
     # whose ys rows every token needs).
     combine_early = fused_combine and not S and bool((overrides or {}).get("combine_early", COMBINE_EARLY))
-    # The single launch's last CTA copies the error code itself (MIRROR_STATUS, override
-    # mirror_status): it counts its finished CTAs in tile_counters' launch_done slot.
-    mirror_status = fused_combine and bool((overrides or {}).get("mirror_status", MIRROR_STATUS))
+    # An entry's last kernel copies the call's error code itself where it can (MIRROR_STATUS,
+    # override mirror_status; mirror_status_by_last_kernels): the single launch and the
+    # backward's last GEMM count their finished CTAs in tile_counters' launch_done slot (an
+    # expert-parallel backward ends in bwd_combine, which needs no count).
+    mirror_status = bool((overrides or {}).get("mirror_status", MIRROR_STATUS))
     if (overrides or {}).get("debug_break_combine") and not combine_early:
         raise PlanError("debug_break_combine: this Plan's single launch has no early combine to break")
     # tile_counters, one place for every slot; dispatch_count zeroes them all, so no extra
@@ -436,7 +438,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     gemm_returns = ep and expert_parallel.gemm_returns(overrides or {})
     slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
         + (["down_done"] if fused_combine else []) + (["combine_next"] if combine_early else []) \
-        + (["launch_done"] if mirror_status else []) \
+        + (["launch_done"] if mirror_status and (fused_combine or backward and not ep) else []) \
         + (["ep_return"] if gemm_returns else []) \
         + (["xs_copy"] if backward and not ep else []) + ["status"]
     used_slot = slots.index("used") if fuse else 0
@@ -847,7 +849,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                             debug_break_combine=bool((overrides or {}).get("debug_break_combine")))
             k.warp_roles = k.warp_roles + ["a consumer warp with no tile left claims combine tasks, each waiting "
                                            "for the M tiles of its token's rows"]
-        if k.params.get("fused") and k.params.get("dispatch") and mirror_status:
+        if k.params.get("fused") and k.params.get("dispatch") and fused_combine and mirror_status:
             # The single launch is its entry's only kernel: its last CTA mirrors the error code.
             k.params = dict(k.params, mirror_status=True, finished_slot=slots.index("launch_done"))
             k.warp_roles = k.warp_roles + ["thread 0 of the launch's last CTA: a set error code to pinned host memory"]
@@ -905,6 +907,11 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     steps["route_backward"] = ["route_backward"]
     steps["status"] = ["status_mirror"]
     kernels = [k for k in kernels if any(k.name in entry for entry in steps.values())]  # nothing unused is built
+    zeroed = {"backward": ["tile_counters"]} if backward else {}
+    if mirror_status:
+        kernels, why = mirror_status_by_last_kernels(kernels, steps, zeroed, side_stream, n_counters, status_slot,
+                                                     slots.index("launch_done") if "launch_done" in slots else None)
+        decisions += why
     task_graph = forward_task_graph(spec, gemm_model_params({k.name: k.params for k in kernels}), target).to_dict()
     for k in kernels:  # the single launch claims its tiles in the task graph's order
         if k.params.get("fused"):
@@ -932,7 +939,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         task_graph=task_graph,
         fused_max_tokens=(EP_FUSED_MAX_TOKENS if ep else FUSED_MAX_TOKENS) if paths == "by_tokens" else 0,
         launch_bands=[[t, f"forward_n{n}" if n else "forward_fused"] for t, n in bands] if fuse and not ep else [],
-        zeroed={"backward": ["tile_counters"]} if backward else {},
+        zeroed=zeroed,
         side_stream=side_stream,
     )
     check_plan(plan, graph)
@@ -1104,6 +1111,55 @@ RUNTIME_TENSORS = ("status_host",)
 # A single launch's last CTA copies the call's error code to the host word itself, so its entry
 # has one launch, not two (override mirror_status).
 MIRROR_STATUS = True
+
+
+def mirror_status_by_last_kernels(kernels: list, steps: dict, zeroed: dict, side_stream: list, n_counters: int,
+                                  status_slot: int, finished_slot: int | None) -> tuple[list, list]:
+    """(kernels, decisions): an entry's last kernel copies a set error code to the runtime's
+    pinned host word itself where it can, so no status_mirror launch follows the entry (a
+    launch costs a small call about 16 us of host time, docs/perf.md). An entry with
+    side-stream kernels keeps status_mirror: they are joined only after its last kernel
+    (runtime mirrored_entries).
+    - A combine kernel records no error: its first thread copies the code as it starts, when
+      every kernel before it on the stream has finished (harmless where it is not last).
+    - A per-GEMM path's grouped GEMM may record one: each CTA counts itself in finished_slot
+      once done, and the last copies the code (as the single launch does). So it must run last
+      in every entry that runs it (the count is per launch), and the slot must start at 0: each
+      of those entries dispatches (dispatch_count zeroes tile_counters) or the runtime zeroes
+      tile_counters first.
+    The single launch mirrors already; every other kernel keeps its params."""
+    runs_in: dict = {}  # kernel -> the entries that run it
+    for entry, names in steps.items():
+        for n in names:
+            runs_in.setdefault(n, []).append(entry)
+    alone = {e for e in steps if not set(steps[e]) & set(side_stream)}  # entries on one stream
+    marked, out = [], []
+    for k in kernels:
+        entries = runs_in.get(k.name, [])
+        lasts = [e for e in entries if steps[e][-1] == k.name and e in alone]
+        if k.params.get("mirror_status") or not lasts:
+            out.append(k)
+            continue
+        if k.template == "combine.py.j2":
+            extra = dict(status_slot=status_slot)
+            args = [KernelArg("tile_counters", "tile_counters", "i32", [n_counters])]
+            role = "thread 0 of CTA 0: a set error code (every kernel before it has finished) to pinned host memory"
+        elif k.template == "grouped_gemm_persistent.py.j2" and not k.params.get("fused") \
+                and finished_slot is not None and lasts == entries \
+                and all(steps[e][0] == "dispatch_count" or "tile_counters" in zeroed.get(e, ()) for e in entries):
+            extra, args = dict(finished_slot=finished_slot), []
+            role = "thread 0 of the launch's last CTA: a set error code to pinned host memory"
+        else:
+            out.append(k)
+            continue
+        args.append(KernelArg("status_host", "status_host", "i32", [1]))
+        at = next((i for i, a in enumerate(k.args) if a.name == "prof"), len(k.args))  # (the profiling record stays last)
+        out.append(dataclasses.replace(k, params=dict(k.params, mirror_status=True, **extra),
+                                       args=k.args[:at] + args + k.args[at:], warp_roles=k.warp_roles + [role]))
+        marked.append(k.name)
+    why = [f"{', '.join(marked)}: the last kernel of its entries copies a set error code to the runtime's pinned "
+           "host word itself (no status_mirror launch behind the call)"] if marked else []
+    return out, why
 
 
 def status_mirror(n_counters: int, status_slot: int) -> KernelPlan:
@@ -1284,7 +1340,8 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
         k.args.append(KernelArg("prof", buf, "i64", ["P", 3]))
 
 
-# debug_unchecked skips the safety checks (tests inject a deadlock with it);
+# debug_unchecked skips the safety checks (tests inject a deadlock with it: a gather lag past
+# stages - 2 in gemm_gateup, the forward's, or bwd_dgrad_down, the backward's);
 # debug_break_dependency makes the fused launch's down tiles wait for a count h_ready never
 # reaches, debug_break_dispatch its CTAs wait for one expert more than there are,
 # debug_break_combine its early combine for one down tile more than an M tile has (tests check
@@ -1298,7 +1355,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
-                           r"|gemm_gateup\.gather_lag|gemm_fused\.wave_lag")
+                           r"|(gemm_gateup|bwd_dgrad_down)\.gather_lag|gemm_fused\.wave_lag")
 
 
 def check_overrides(overrides: dict) -> None:
