@@ -1,6 +1,7 @@
 """Host time of one forward call, apart from the GPU's: is a small eager call host-bound?
 
     python benchmarks/host_overhead.py [--variant V] [--tokens T,T,...] [--calls N] [--rounds R] [--train] [--parts] [--profile]
+                                       [--callers NAME,NAME]
 
 For each T: the GPU time (CUDA-graph replay), the eager time (CUDA events around calls made
 back to back, as `mokgen bench` times them), the wall-clock time per call of calls made back to
@@ -34,6 +35,7 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -52,6 +54,8 @@ ap.add_argument("--profile", action="store_true")
 ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every caller (the median is shown)")
 ap.add_argument("--train", action="store_true", help="time a training step (forward + backward)")
 ap.add_argument("--parts", action="store_true", help="host time of the runtime's pieces (first T)")
+ap.add_argument("--callers", help="time only the callers whose names contain one of these (comma-separated), "
+                                  "e.g. 'mokgen.moe' (no torch.compile, no graph capture of the step)")
 ap.add_argument("--json")
 args = ap.parse_args()
 
@@ -136,20 +140,30 @@ for i, T in enumerate(int(t) for t in args.tokens.split(",")):
         def moe(*a):
             return mokgen.moe(*a, check_ids=False)
 
-        graphed = torch.cuda.make_graphed_callables(moe, (leaves[0], ids, *leaves[1:]))
-        compiled = torch.compile(moe, mode="reduce-overhead")
+        def graphed_step():
+            if "graphed" not in made:  # (made at the first call: only a caller that is timed pays for it)
+                made["graphed"] = torch.cuda.make_graphed_callables(moe, (leaves[0], ids, *leaves[1:]))
+            return step(made["graphed"])
 
         def compiled_step():
+            if "compiled" not in made:
+                made["compiled"] = torch.compile(moe, mode="reduce-overhead")
             torch.compiler.cudagraph_mark_step_begin()  # (the last step's outputs are not read again)
-            return step(compiled)
+            return step(made["compiled"])
 
+        made = {}
         calls = {
             "step, mokgen.moe": lambda: step(moe),
             "step, custom op": lambda: step(lambda *a: v.ops.forward_train(*a)[0]),
-            "step, CUDA graphs": lambda: step(graphed),
+            "step, CUDA graphs": graphed_step,
             "step, compiled": compiled_step,
         }
-        same = [torch.equal(a, b) for fn in list(calls.values())[1:] for a, b in zip(calls["step, mokgen.moe"](), fn())]
+    if args.callers:
+        calls = {n: fn for n, fn in calls.items() if any(c in n for c in args.callers.split(","))} or \
+            sys.exit(f"--callers {args.callers} names none of {', '.join(calls)}")
+    if args.train:
+        first = next(iter(calls.values()))()
+        same = [torch.equal(a, b) for fn in list(calls.values())[1:] for a, b in zip(first, fn())]
         print(f"T={T}: the steps' gradients equal bit for bit: {all(same)}", flush=True)
     graph = _capture(next(iter(calls.values())))
     gpu_ms = time_ms(graph.replay) if graph is not None else float("nan")
