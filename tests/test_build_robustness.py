@@ -167,3 +167,23 @@ def test_a_rebuild_compiles_only_the_kernels_that_changed(tmp_path):
     logs.clear()
     build(A, tmp_path, overrides={"gemm_down.epi_stages": 4}, force=True, log=logs.append)
     assert not [m for m in logs if "unchanged" in m]
+
+
+def test_a_relative_out_directory_reaches_the_compile_workers_as_an_absolute_path(tmp_path, monkeypatch):
+    """The compile workers run in the repository root: a build into a directory given relative
+    to the caller's (mokgen build --out DIR) hands them absolute paths."""
+    import importlib
+    from pathlib import Path
+
+    b = importlib.import_module("mokgen.codegen.build")  # (the module: mokgen.codegen.build is also the function)
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(b.subprocess, "run", fake_run)
+    b._compile(Path("rel/src"), Path("rel/src/build"), [["route"], ["combine"]], 2, lambda m: None)
+    assert len(seen) == 2 and all(Path(c[3]) == tmp_path / "rel/src" and Path(c[4]) == tmp_path / "rel/src/build"
+                                  for c in seen)

@@ -149,8 +149,9 @@ def _lock(out: Path, variant: str):
 def _compile(src: Path, build: Path, groups: list[list[str]], jobs: int, log) -> None:
     def run(names):
         t0 = time.time()
-        p = subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(src), str(build), *names],
-                           capture_output=True, text=True, cwd=str(REPO_ROOT))
+        # (absolute paths: the workers run in the repository root, not the caller's directory)
+        p = subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(src.resolve()),
+                            str(build.resolve()), *names], capture_output=True, text=True, cwd=str(REPO_ROOT))
         if p.returncode:
             tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-25:])
             raise BuildError(f"compiling {', '.join(names)} failed:\n{tail}")
