@@ -268,7 +268,7 @@ def test_small_calls_keep_their_workspace_and_give_the_same_bits(gen):
 @pytest.mark.parametrize("T", [64, 1000, 4096])
 def test_device_errors_reach_the_host_from_graph_replays_and_the_next_call(T, gen):
     """A set error code reaches the pinned host word (the single launch's last CTA writes it, the
-    one-thread status_mirror launch behind the per-GEMM path): a replay of a captured call with
+    per-GEMM path's combine as it starts): a replay of a captured call with
     bad ids raises at check_errors and again at the next call once it has finished, a clean
     replay after it raises nothing, and a clean call leaves the word at 0 (every path: the
     single launch's bands at T = 64 and 1000, the per-GEMM path)."""

@@ -256,10 +256,10 @@ class Variant:
         self.profiling = bool(self.plan.get("overrides", {}).get("profile"))
         self.last_records: dict = {}
         # The call's error code (0: none; a GEMM wait that timed out, or ids dispatch found out
-        # of range) lands in the last tile_counters entry; behind each call's kernels the
-        # one-thread status_mirror launch writes it, when set, to a pinned host word (the device
-        # addresses it directly), checked without a sync. (Builds from before that launch
-        # copy the entry instead.)
+        # of range) lands in the last tile_counters entry; the call's last kernel (or, where it
+        # cannot, the one-thread status_mirror launch behind the call) writes it, when set, to a
+        # pinned host word (the device addresses it directly), checked without a sync. (Builds
+        # from before those copy the entry instead.)
         self._status_slot = next((k["params"]["status_slot"] for k in self.plan["kernels"]
                                   if "status_slot" in k["params"]), None)
         self._gemm_by_slot = {}  # (the fused launch and its routing twin share a slot: only one runs per call)
@@ -390,9 +390,9 @@ class Variant:
     def _check_status(self, wait: bool) -> None:
         """Raise what an earlier call's kernels recorded (KernelTimeout for a timed-out wait,
         InputError for out-of-range ids). wait=False never blocks: it reads the host word that
-        the status_mirror launch behind each call's kernels writes only when the call's error
-        code is set, so a word still 0 is a call without error or one not finished yet (the next
-        call, or check_errors, sees it). Builds from before that launch copy the code every call
+        each call's last kernel (or the status_mirror launch behind it, _run_and_report) writes
+        only when the call's error code is set, so a word still 0 is a call without error or one
+        not finished yet (the next call, or check_errors, sees it). Builds from before that launch copy the code every call
         instead, and are read only once an event says the copy is done."""
         if self._status_host is None:
             return

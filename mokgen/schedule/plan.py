@@ -480,8 +480,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
               KernelArg("d_logits", "d_logits", "f32", ["T", spec.experts])],
         grid=f"(ceil(T/{route_threads // 32}),)", block=route_threads,
         warp_roles=["each warp: one token (lanes hold its logits and write its d_logits)"]))
-    # After every call (its own entry point, run by the runtime): the call's error code to the
-    # runtime's pinned host word, only when set (a copy behind each call cost 8-10 us, docs/perf.md)
+    # After a call whose last kernel does not copy it itself (mirror_status_by_last_kernels; its
+    # own entry point, run by the runtime): the call's error code to the runtime's pinned host
+    # word, only when set (a copy behind each call cost 8-10 us, docs/perf.md)
     kernels.append(status_mirror(n_counters, status_slot))
 
     # send: count, then scatter (positions, row -> token table, tile table)
