@@ -124,9 +124,10 @@ def test_a_plan_change_no_source_sees_rewrites_the_manifest_without_compiling(tm
     assert (path / "build" / "build.json").stat().st_mtime_ns != stamp
 
 
-def test_kernel_keys_follow_every_input_of_a_kernels_compile(tmp_path):
-    """A kernel's key changes with its rendered module, its arguments and the target arch, and
-    with nothing another kernel has: so reuse_unchanged copies only what would compile alike."""
+def test_kernel_keys_follow_every_input_of_a_kernels_compile(tmp_path, monkeypatch):
+    """A kernel's key changes with its rendered module, its arguments, the target arch and the
+    environment's CUTE_DSL_* settings, and with nothing another kernel has: so reuse_unchanged
+    copies only what would compile alike."""
     from mokgen.codegen.build import kernel_keys
 
     plan = make_plan(A)
@@ -145,6 +146,10 @@ def test_kernel_keys_follow_every_input_of_a_kernels_compile(tmp_path):
     k["args"][0]["shape"] = ["M", 1]  # (a fake tensor of another shape)
     assert {n for n, v in kernel_keys(d, tmp_path).items() if v != keys[n]} == {"gemm_down"}
     d["target"]["arch"] = "sm_100a"
+    assert all(v != keys[n] for n, v in kernel_keys(d, tmp_path).items())
+    d = json.loads(files["manifest.json"])["plan"]  # (as rendered again)
+    assert kernel_keys(d, tmp_path) == keys
+    monkeypatch.setenv("CUTE_DSL_MOKGEN_TEST", "1")  # (as a compile setting the workers inherit would)
     assert all(v != keys[n] for n, v in kernel_keys(d, tmp_path).items())
 
 

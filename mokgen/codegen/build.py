@@ -101,12 +101,14 @@ ARTIFACTS = (".o", ".h", ".ptx", ".cubin")  # what the compile worker writes per
 def kernel_keys(plan: dict, src: Path) -> dict[str, str]:
     """name -> a hash of everything a kernel's compiled artifacts depend on: its rendered module
     (the templates' code and every number in it), its arguments (the fake tensors' dtypes and
-    shapes), its entry, the target arch, the compile worker and the CuTe-DSL version."""
+    shapes), its entry, the target arch, the compile worker, the CuTe-DSL version and the
+    CUTE_DSL_* settings of the environment (the workers inherit them)."""
     import hashlib
     import importlib.metadata as md
 
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL_") and k != "CUTE_DSL_ARCH")
     common = [plan["target"]["arch"], md.version("nvidia-cutlass-dsl"),
-              (Path(__file__).parent / "compile_worker.py").read_text()]
+              (Path(__file__).parent / "compile_worker.py").read_text(), settings]
     sources: dict = {}
     keys = {}
     for k in plan["kernels"]:
