@@ -392,8 +392,8 @@ class Variant:
         InputError for out-of-range ids). wait=False never blocks: it reads the host word that
         each call's last kernel (or the status_mirror launch behind it, _run_and_report) writes
         only when the call's error code is set, so a word still 0 is a call without error or one
-        not finished yet (the next call, or check_errors, sees it). Builds from before that launch copy the code every call
-        instead, and are read only once an event says the copy is done."""
+        not finished yet (the next call, or check_errors, sees it). Builds from before those
+        copy the code every call instead, and are read only once an event says the copy is done."""
         if self._status_host is None:
             return
         if wait or self._status_event is not None:
