@@ -1154,7 +1154,8 @@ def mirror_status_by_last_kernels(kernels: list, steps: dict, zeroed: dict, side
             out.append(k)
             continue
         args.append(KernelArg("status_host", "status_host", "i32", [1]))
-        at = next((i for i, a in enumerate(k.args) if a.name == "prof"), len(k.args))  # (the profiling record stays last)
+        # (before a profiling build's record, which stays last)
+        at = next((i for i, a in enumerate(k.args) if a.name == "prof"), len(k.args))
         out.append(dataclasses.replace(k, params=dict(k.params, mirror_status=True, **extra),
                                        args=k.args[:at] + args + k.args[at:], warp_roles=k.warp_roles + [role]))
         marked.append(k.name)
