@@ -43,10 +43,11 @@ def test_rendered_modules_are_python_and_manifest_is_complete():
     # The templates this Plan renders (their hashes decide when a build is stale).
     # (and the templates those include: dispatch's phases and its chunks', which the dispatch kernels and the
     # fused launch run, route's phases, and the combine's piece, which the combine kernels and the fused
-    # launch's combine phase sum with)
+    # launch's combine phase sum with, and the error code's copy to the host, which the kernels that end an
+    # entry render)
     assert set(m["templates"]) == {k.template for k in plan.kernels} | {"launch.c.j2", "dispatch_phases.py.j2",
                                                                         "dispatch_chunks.py.j2", "route_phases.py.j2",
-                                                                        "combine_piece.py.j2"}
+                                                                        "combine_piece.py.j2", "status_copy.py.j2"}
     assert set(m["templates"]) <= {p.name for p in TEMPLATE_DIR.glob("*.j2")}
     assert m["cute_dsl_version"] == "4.8.1" and m["plan"]["variant"] == spec.variant
 

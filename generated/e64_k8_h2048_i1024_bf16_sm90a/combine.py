@@ -7,10 +7,12 @@ The sum runs over k = 0..7 in order: a fixed
 order, so the same inputs always give the same bits. Pairs whose id is outside
 [0, 64) contribute nothing.
 
-The call's error code: this is its entry's last kernel, so CTA 0's first thread copies a set
-code (tile_counters[15]) to the runtime's pinned host word as it starts (every
-kernel before it on the stream has finished, and this one records none): no status_mirror
-launch follows the call.
+The call's error code: this kernel ends at least one of its entries (the Plan's
+mirror_status_by_last_kernels), so CTA 0's first thread copies a set code
+(tile_counters[15]) to the runtime's pinned host word as it starts (every kernel
+before it on the stream has finished, and this one records none): no status_mirror launch
+follows those entries. In an entry where other kernels follow it, the last of them (or a
+status_mirror launch) copies the code again.
 """
 import cuda.bindings.driver as cuda
 

@@ -1159,8 +1159,8 @@ def mirror_status_by_last_kernels(kernels: list, steps: dict, zeroed: dict, side
         out.append(dataclasses.replace(k, params=dict(k.params, mirror_status=True, **extra),
                                        args=k.args[:at] + args + k.args[at:], warp_roles=k.warp_roles + [role]))
         marked.append(k.name)
-    why = [f"{', '.join(marked)}: the last kernel of its entries copies a set error code to the runtime's pinned "
-           "host word itself (no status_mirror launch behind the call)"] if marked else []
+    why = [f"{', '.join(marked)}: where it ends an entry, it copies a set error code to the runtime's pinned "
+           "host word itself (no status_mirror launch behind that entry)"] if marked else []
     return out, why
 
 
