@@ -30,6 +30,25 @@ def test_anchor_compare_covers_the_targets_shapes():
     assert want <= set(CASES.values())
 
 
+def test_anchor_rounds_keep_each_implementations_best_of_either_order():
+    """--rounds: each implementation's best forward and best forward + backward over the rounds
+    (run in swapped orders), the grouped baseline's row first; a failed backward (NaN) never wins."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from anchor_compare import best_of_rounds
+    finally:
+        sys.path.pop(0)
+    row = lambda impl, rnd, fwd, fb: dict(impl=impl, round=rnd, fwd_ms=fwd, fwd_tflops=1 / fwd, fb_ms=fb,  # noqa: E731
+                                          fb_tflops=1 / fb)
+    runs = [row("grouped", 0, 2.0, 6.0), row("mokgen", 0, 1.1, float("nan")),
+            row("mokgen", 1, 1.0, 3.2), row("grouped", 1, 2.2, 5.8)]
+    best = best_of_rounds(runs)
+    assert [b["impl"] for b in best] == ["grouped", "mokgen"]
+    assert (best[0]["fwd_ms"], best[0]["fb_ms"], best[0]["fb_tflops"]) == (2.0, 5.8, 1 / 5.8)
+    assert (best[1]["fwd_ms"], best[1]["fwd_tflops"], best[1]["fb_ms"]) == (1.0, 1.0, 3.2)
+    assert [r["round"] for r in best[1]["rounds"]] == [0, 1]
+
+
 def test_interleaved_rounds_rotate_which_implementation_goes_first(monkeypatch):
     """At power-capped sizes the first timing of a round gets the coolest GPU: every
     implementation takes that place in turn, and the best round is kept per implementation."""
