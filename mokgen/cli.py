@@ -334,7 +334,10 @@ def tune(variant, prepare, tokens, out):
               default=Path("bench-out/bench.json"), show_default=True)
 @click.option("--backward", is_flag=True,
               help="Time forward + backward through autograd against torch grouped_mm with autograd.")
-def bench(spec, variant_name, tokens, baselines, json_path, backward):
+@click.option("--rounds", type=click.IntRange(min=1), default=None,
+              help="Rounds each implementation is timed in, the order rotating every round, the best kept (at "
+                   "the power cap the one run second follows the first's heat). Default: mokgen.bench.BENCH_ROUNDS.")
+def bench(spec, variant_name, tokens, baselines, json_path, backward, rounds):
     """Time the generated forward (or, with --backward, forward + backward) against torch
     grouped_mm and the per-expert loop. An FP8 variant (--dtype fp8) times mokgen.moe_fp8
     (with --backward, mokgen.moe_fp8_train); benchmarks/fp8_gemm.py sets it beside the bf16
@@ -350,7 +353,8 @@ def bench(spec, variant_name, tokens, baselines, json_path, backward):
     v = load(_resolve_variant(variant_name)) if variant_name else load(spec)
     if backward and not v.has_backward and v.spec.dtype != "fp8":
         fail(f"{v.name}: {v.why_no_backward()}", code=1)
-    run([v], toks, json_path, tuple(b.strip() for b in baselines.split(",")), log=click.echo, backward=backward)
+    run([v], toks, json_path, tuple(b.strip() for b in baselines.split(",")), log=click.echo, backward=backward,
+        **({"rounds": rounds} if rounds else {}))
 
 
 

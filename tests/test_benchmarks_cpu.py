@@ -64,6 +64,20 @@ def test_interleaved_rounds_rotate_which_implementation_goes_first(monkeypatch):
     assert best == {"a": 93, "b": 92, "c": 94}
 
 
+def test_bench_rounds_rotate_and_keep_each_implementations_best_round_with_its_energy(monkeypatch):
+    """mokgen bench times every implementation in rotating rounds (energy_rounds): each takes
+    the first place in turn, and the round with its lowest median is kept with that round's
+    energy, power and GPU state."""
+    import mokgen.bench as bench
+
+    order, ms = [], iter([5.0, 9.0, 4.0, 9.5])  # round 0: a, b; round 1: b, a
+    monkeypatch.setattr(bench, "time_with_energy", lambda fn: (order.append(fn()), next(ms), len(order), 700.0)[1:])
+    monkeypatch.setattr(bench, "gpu_state", lambda: {"at": len(order)})
+    best = bench.energy_rounds({"a": lambda: "a", "b": lambda: "b"}, 2)
+    assert order == ["a", "b", "b", "a"]
+    assert best == {"a": (5.0, 1, 700.0, {"at": 1}), "b": (4.0, 3, 700.0, {"at": 3})}
+
+
 def test_bench_table_gives_the_power_while_the_calls_ran():
     """The W column is the energy counter's mean over the timed calls where there is one (NVML's
     board reading averages over about a second and reads low after a short timing), else the

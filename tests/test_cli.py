@@ -49,7 +49,8 @@ def test_console_script_formats_usage_errors(tmp_path):
 
 
 def test_bad_token_lists_exit_2_before_any_gpu_work():
-    for args in (["verify", "olmoe", "--tokens", "1,x"], ["bench", "--tokens", "-5"], ["tune", "olmoe", "--tokens", "a"]):
+    for args in (["verify", "olmoe", "--tokens", "1,x"], ["bench", "--tokens", "-5"], ["tune", "olmoe", "--tokens", "a"],
+                 ["bench", "--rounds", "0"]):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 2, (args, r.output)
 
