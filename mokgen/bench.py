@@ -98,6 +98,11 @@ def time_with_energy(fn, warmup: int = 10, iters: int = 50) -> tuple[float, floa
     return ms, joules / reps, joules / (start.elapsed_time(end) / 1000)
 
 
+def round_order(names: list, r: int) -> list:
+    """Round r's order of the implementations: rotated by r, so each takes the first place in turn."""
+    return names[r % len(names):] + names[:r % len(names)]
+
+
 def energy_rounds(impls: dict, rounds: int) -> dict:
     """{name: (ms, J per call, W, GPU state)}: each implementation timed with its energy
     (time_with_energy) in `rounds` rounds whose order rotates by one each round, as time_rounds
@@ -107,7 +112,7 @@ def energy_rounds(impls: dict, rounds: int) -> dict:
     best = {}
     names = list(impls)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in round_order(names, r):
             ms, joules, watts = time_with_energy(impls[name])
             if name not in best or ms < best[name][0]:
                 best[name] = (ms, joules, watts, gpu_state())
@@ -124,7 +129,7 @@ def time_rounds(impls: dict, rounds: int, rows: list, **tags) -> dict:
     best = {}
     names = list(impls)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in round_order(names, r):
             fn = impls[name]
             ms = time_ms(fn, 10, 50)
             rows.append(dict(tags, impl=name, round=r, ms=ms, **gpu_state()))
