@@ -101,7 +101,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("anchor_compare needs a CUDA GPU")
     import mokgen
-    from mokgen.bench import gpu_state
+    from mokgen.bench import gpu_state, round_order
     from mokgen.runtime import find_variant
 
     anchor = load_anchor(where)
@@ -120,12 +120,12 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - reported, and the other cases still run
             print(f"# {name}: skipped, {type(e).__name__}: {e}", flush=True)
             continue
-        impls = [("grouped", anchor.moe_grouped), ("mokgen", ours)]
+        impls = {"grouped": anchor.moe_grouped, "mokgen": ours}
         runs = []  # every round's rows, in the order they ran
         for rnd in range(args.rounds):
-            order = impls if rnd % 2 == 0 else impls[::-1]
-            for r in anchor.bench_case(name, T, H, I, E, K, dict(order)):
-                runs.append(dict(r, round=rnd, first=order[0][0], **gpu_state()))
+            order = round_order(list(impls), rnd)  # (two implementations: swapped every round)
+            for r in anchor.bench_case(name, T, H, I, E, K, {n: impls[n] for n in order}):
+                runs.append(dict(r, round=rnd, first=order[0], **gpu_state()))
         new = best_of_rounds(runs)
         base = {r["impl"]: r for r in new}.get("grouped")
         for r in new:

@@ -221,7 +221,6 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
         for name in impls:
             ms, joules, watts, st = timed[name]
             err = errs[name]
-            st = dict(st)
             if joules is not None:
                 st.update(joules=joules, call_power_w=round(watts))
             path = variant.forward_entry(T) if name.startswith("mokgen") else None  # which forward path ran
@@ -294,7 +293,6 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
         for name in impls:
             errs = grad_errs[name]
             ms, joules, watts, st = timed[name]
-            st = dict(st)
             if joules is not None:
                 st.update(joules=joules, call_power_w=round(watts))
             worst = max(errs.values()) if errs else None
