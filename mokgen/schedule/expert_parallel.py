@@ -420,6 +420,63 @@ def ep_kernels(spec: MoESpec, target: Target, row_tile: int, n_counters: int, st
     return kernels, decisions, queues, ctas
 
 
+def forward_steps(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
+                  wait_timeout_ns: int, overrides: dict, used_slot: int | None, laid_out: str | None, steps: dict,
+                  decisions: list, returns: tuple[int, str] | None,
+                  send_ctas: int | None) -> tuple[list[KernelPlan], dict, list[dict], list[str]]:
+    """The forward's exchange kernels (ep_kernels) and the forward entries' step lists: the
+    single launch's (used_slot: the Plan has it; laid_out: it lays the rows out itself) and
+    the per-GEMM path's, whose send runs on a second stream when overlapped. returns: the down
+    GEMM returns its rows itself (its CTAs, why). (kernels, SM roles, queues, side stream)."""
+    ks, why, queues, ctas = ep_kernels(spec, target, row_tile, n_counters, status_slot, wait_timeout_ns, overrides,
+                                       used_slot)
+    decisions += why
+    sm_roles = ({"compute": target.sms - ctas, "communication": ctas} if overlapped(overrides)
+                else {"compute": target.sms, "communication": ctas, "shared": "time-sliced: separate launches"})
+    shared_steps = ["shared_gateup", "shared_down"] if spec.shared_intermediate else []
+    # The shared expert's GEMMs run while the peers' rows are in flight; overlapped, the
+    # send runs on the second stream and gate/up waits per M tile instead of ep_wait_rows.
+    sends = gemm_sends(overrides)  # the gate/up launch sends the rows itself
+    head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout"] + ([] if sends else ["ep_send"]) \
+        + shared_steps
+    side_stream: list[str] = []
+    if used_slot is not None:  # small calls: the single launch (dispatches, lays out,) sends, computes and returns
+        steps["forward_fused"] = ([] if laid_out else ["dispatch_count", "dispatch_scatter", "ep_publish",
+                                                       "ep_layout"]) + ["gemm_fused"] \
+            + ([] if fused_combines(overrides) else ["ep_wait_returns", "combine"])
+    if overlapped(overrides):  # the send beside gate/up, which waits per M tile
+        steps["forward"] = head + ["gemm_gateup", "gemm_down"] + ([] if returns else ["ep_return"]) \
+            + ["ep_wait_returns", "combine"]
+        if returns:
+            decisions.append(f"return inside gemm_down: its last {returns[0]} CTAs return M tiles from the start, the "
+                             "others once they have no tile left; an M tile's rows leave when its N tiles are "
+                             f"stored (down_ready, release/acquire at GPU scope, bounded); {returns[1]}")
+        side_stream = [] if sends else ["ep_send"]
+        if sends:
+            decisions.append(f"send inside gemm_gateup: its first {send_ctas} CTAs store this rank's rows into "
+                             "their owners' ep_recv, then take GEMM tiles like the others")
+    else:
+        steps["forward"] = head + ["ep_wait_rows", "gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns",
+                                   "combine"]
+    return ks, sm_roles, queues, side_stream
+
+
+def backward_exchange(spec: MoESpec, target: Target, row_tile: int, n_counters: int, status_slot: int,
+                      wait_timeout_ns: int, overrides: dict, forward: list) -> tuple:
+    """The backward's exchange kernels, the SMs of its copies that run beside GEMMs (None
+    unless overlapped: one after the other), and the forward's steps (backward_kernels'
+    `exchange`)."""
+    split = backward_comm_ctas(spec, target, overrides) if overlapped(overrides) else None
+    common = (spec, target, row_tile, n_counters, status_slot, wait_timeout_ns)
+    threads = comm_threads(overrides, backward=True)
+    sends = {what: exchange_kernels(*common, split[f"send_{what}"][0] if split else target.sms, backward=True,
+                                    threads=threads, send=what)
+             for what in ("grad", "x")}
+    return (exchange_kernels(*common, split["send"][0] if split else target.sms, backward=True,
+                             return_ctas=split["return"][0] if split else target.sms, threads=threads)
+            + sends["grad"] + sends["x"], split, forward)
+
+
 def layout_params(spec: MoESpec, row_tile: int, status_slot: int, wait_timeout_ns: int, used_slot: int | None,
                   backward: bool = False, down_ready: bool = False) -> dict:
     """What templates/ep_layout_phase.py.j2 (publish and layout) renders from: the same in the

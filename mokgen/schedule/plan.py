@@ -348,7 +348,13 @@ def _expr(e) -> str:
 def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | None = None,
               override_source: str = "") -> Plan:
     """The Plan for `spec` on `target`. `overrides` (experiments, autotuning) replaces
-    decisions by name; the Plan records that it did, and where they came from."""
+    decisions by name; the Plan records that it did, and where they came from.
+
+    It is decided in this order, each step one function below: the routed M tiles, the forward
+    paths (per-GEMM launches, the single launch, or both by T), tile_counters' slots and the
+    call's buffers, the route and dispatch kernels, the GEMMs (GemmMaker), the single launches,
+    the shared expert, the combine, the expert-parallel steps, the backward, the launches' memory
+    policies, the profiling records; last the task graph that orders the single launch's tiles."""
     target = target or target_for(spec.arch)
     if spec.nodes > 1:
         from .multinode import node_local_spec
@@ -360,269 +366,49 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         from .fp8 import fp8_plan
 
         return fp8_plan(spec, target, overrides)
-    check_overrides(overrides or {})
+    ov = overrides or {}
+    check_overrides(ov)
     ep = spec.world_size > 1
     if ep:
         from . import expert_parallel  # (it builds on this module's types)
 
-        expert_parallel.check_ep_overrides(overrides or {})
+        expert_parallel.check_ep_overrides(ov)
     graph: Graph = forward_graph(spec)
     E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
     decisions: list[str] = []
-    kernels: list[KernelPlan] = []
     if overrides:
         decisions.append(f"overrides {json.dumps(overrides, sort_keys=True)}" +
                          (f" from {override_source}" if override_source else ""))
 
-    row_tile, why = choose_row_tile(spec, target)
-    if overrides and "row_tile" in overrides:
-        row_tile, why = overrides["row_tile"], "set by override"
-    decisions.append(f"row tile {row_tile}: each expert's rows start on a multiple of it, so every GEMM M tile "
-                     f"has one expert; {why}")
-    # Clusters of 2 CTAs along M share (multicast) the routed GEMMs' weight tiles, so an
-    # expert's M tiles come in pairs: dispatch pads each expert to an even tile count.
-    cluster_m = int((overrides or {}).get("cluster_m", 1))
-    if cluster_m == 2:
-        if (overrides or {}).get("fuse_gemms"):
-            raise PlanError("cluster_m=2 and fuse_gemms together are not generated yet")
-        if any((overrides or {}).get(f"{g}.raster", "m") != "m" for g in ("gemm_gateup", "gemm_down")):
-            raise PlanError("cluster_m=2 needs M-major raster order")
-        m_tiles = 2 * sympy.ceiling(T * K / (2 * row_tile)) + 2 * E
-        decisions.append("cluster 2x1 for the routed GEMMs: the two CTAs take M tiles 2p and 2p+1 of one expert "
-                         "and the same N tile, each loads half of every weight tile and multicasts it to both "
-                         "(half the L2-to-SM weight traffic); experts padded to an even number of M tiles")
-    elif ep:  # the GEMMs run on the rows this rank receives
-        m_tiles = expert_parallel.received_tiles(spec, row_tile)
-    else:
-        m_tiles = sympy.ceiling(T * K / row_tile) + E
+    row_tile, cluster_m, m_tiles = routed_tiles(spec, target, ov, decisions)
     rows = m_tiles * row_tile
-    decisions.append(f"routed M tiles bounded by {_expr(m_tiles)}: sized on the host from "
-                     f"{'the peer workspace capacity C' if ep else 'T'} alone, no host sync")
-
-    # The forward's GEMM paths: "multi" (one launch per GEMM), "fused" (all in one launch,
-    # the shared expert's tiles included), or "by_tokens": both built, the fused one run up to
-    # FUSED_MAX_TOKENS tokens. Override fuse_gemms: true / false forces one path.
-    paths, why = forward_paths(spec, target, row_tile, overrides, cluster_m)
-    decisions.append(why)
-    fuse = paths != "multi"  # the Plan has the fused launch (and dispatch feeds it)
-    for key, needs in (("gemm_fused.wave_lag", fuse), ("ep_fused_combine", fuse and ep), ("dispatch_in_launch", fuse)):
-        if key in (overrides or {}) and not needs:  # an override that would change nothing is an error
-            raise PlanError(f"{key}: the layer is not expert parallel" if key.startswith("ep_") and not ep else
-                            f"{key}: this Plan has no single launch ({why})")
-    # The fused launch combines too (expert parallel: the combine reads the returned rows after
-    # the wait).
-    fused_combine = fuse and not ep
-    # Early combine (COMBINE_EARLY, override combine_early): the launch's combine tasks wait per
-    # token for the down tiles of its rows, not for every down tile (not with a shared expert,
-    # whose ys rows every token needs).
-    combine_early = fused_combine and not S and bool((overrides or {}).get("combine_early", COMBINE_EARLY))
-    # An entry's last kernel copies the call's error code itself where it can (MIRROR_STATUS,
-    # override mirror_status; mirror_status_by_last_kernels): the single launch and the
-    # backward's last GEMM count their finished CTAs in tile_counters' launch_done slot (an
-    # expert-parallel backward ends in bwd_combine, which needs no count).
-    mirror_status = bool((overrides or {}).get("mirror_status", MIRROR_STATUS))
-    if (overrides or {}).get("debug_break_combine") and not combine_early:
-        raise PlanError("debug_break_combine: this Plan's single launch has no early combine to break")
-    # tile_counters, one place for every slot; dispatch_count zeroes them all, so no extra
-    # launch or memset per call:
-    #   one tile counter per grouped GEMM (its tile scheduler claims tiles from it);
-    #   the fused launch's number of used M tiles (written by dispatch_scatter), its count
-    #   of finished shared gate/up tiles and of finished down tiles (the combine waits);
-    #   last, the call's error code (a wait that timed out, or ids out of range; 0: none).
-    backward, why = backward_support(spec, overrides or {}, paths)
-    decisions.append(why)
-    gemm_names = ([] if paths == "fused" else ["gemm_gateup", "gemm_down"] + (["shared_gateup", "shared_down"] if S else [])) \
-        + (["gemm_fused"] if fuse else []) + (BACKWARD_GEMMS if backward else []) \
-        + (SHARED_BACKWARD_GEMMS if backward and S else [])
-    # expert parallel, overlapped: the down GEMM returns its rows, claiming M tiles from a counter
-    gemm_returns = ep and expert_parallel.gemm_returns(overrides or {})
-    slots = gemm_names + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
-        + (["down_done"] if fused_combine else []) + (["combine_next"] if combine_early else []) \
-        + (["launch_done"] if mirror_status and (fused_combine or backward and not ep) else []) \
-        + (["ep_return"] if gemm_returns else []) \
-        + (["xs_copy"] if backward and not ep else []) + ["status"]
-    used_slot = slots.index("used") if fuse else 0
-    shared_slot = slots.index("shared_done") if "shared_done" in slots else 0
-    done_slot = slots.index("down_done") if fused_combine else None
-    status_slot = slots.index("status")
-    wait_timeout_ns = int((overrides or {}).get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000
-    n_counters = len(slots)
-    recv = "persistent" if ep else "call"  # expert parallel: sized by the workspace capacity
-    buffers = [
-        Buffer("tile_counters", "i32", [str(n_counters)]),
-        Buffer("counts", "i32", [str(spec.experts if ep else E)]),
-        Buffer("pos", "i32", ["T", str(K)]),
-        Buffer("tile_expert", "i32", [_expr(m_tiles)], memory=recv),
-        Buffer("row_token", "i32", [_expr(rows)], memory=recv),
-        Buffer("h", "bf16", [_expr(rows), str(I)], memory=recv),
-        Buffer("y", "bf16", [_expr(rows), str(H)], memory=recv),
-    ]
+    paths = choose_paths(spec, target, row_tile, ov, cluster_m, decisions)
+    # (expert parallel, overlapped: the down GEMM returns its rows, claiming M tiles from a counter)
+    counters = Counters.for_plan(paths, spec, ep and expert_parallel.gemm_returns(ov))
+    wait_timeout_ns = int(ov.get("wait_timeout_ms", WAIT_TIMEOUT_MS)) * 1_000_000
+    buffers = call_buffers(spec, counters, m_tiles, rows)
     if ep:
         buffers += expert_parallel.ep_buffers(spec, row_tile)
 
-    # route (its own entry point)
-    route_threads = 128
-    kernels.append(KernelPlan(
-        name="route", stage="route", module="route", template="route.py.j2", entry="main",
-        params=dict(experts=spec.experts, topk=K, threads=route_threads, renormalize=spec.renormalize),
-        args=[KernelArg("logits", "logits", "f32", ["T", spec.experts]),
-              KernelArg("ids", "topk_ids", "i32", ["T", K]),
-              KernelArg("weights", "topk_weights", "f32", ["T", K])],
-        grid=f"(ceil(T/{route_threads // 32}),)", block=route_threads,
-        warp_roles=["each warp: one token (lanes hold its logits; arg-max rounds over the lanes)"]))
-    # its backward (mokgen.route is differentiable): d_logits from d_topk_weights
-    kernels.append(KernelPlan(
-        name="route_backward", stage="route_backward", module="route_backward", template="route_backward.py.j2",
-        entry="main", params=dict(experts=spec.experts, topk=K, threads=route_threads, renormalize=spec.renormalize),
-        args=[KernelArg("logits", "logits", "f32", ["T", spec.experts]),
-              KernelArg("ids", "topk_ids", "i32", ["T", K]),
-              KernelArg("d_weights", "d_topk_weights", "f32", ["T", K]),
-              KernelArg("d_logits", "d_logits", "f32", ["T", spec.experts])],
-        grid=f"(ceil(T/{route_threads // 32}),)", block=route_threads,
-        warp_roles=["each warp: one token (lanes hold its logits and write its d_logits)"]))
+    kernels = route_kernels(spec)
     # After a call whose last kernel does not copy it itself (mirror_status_by_last_kernels; its
     # own entry point, run by the runtime): the call's error code to the runtime's pinned host
     # word, only when set (a copy behind each call cost 8-10 us, docs/perf.md)
-    kernels.append(status_mirror(n_counters, status_slot))
+    kernels.append(status_mirror(counters.n, counters.status))
+    dispatch, dparams, chunked = dispatch_kernels(spec, target, row_tile, cluster_m, counters, paths.fuse, ov,
+                                                  buffers, decisions)
+    kernels += dispatch
+    gemm = GemmMaker(spec, target, ov, row_tile, cluster_m, counters, wait_timeout_ns, decisions)
 
-    # send: count, then scatter (positions, row -> token table, tile table)
-    dispatch_threads = min(1024, target.max_threads_per_block)
-    # Expert parallel: dispatch groups the rank's pairs by global expert with a one-row tile
-    # (no padding: rows leave for their owners, whose layout pads them), into send_token /
-    # send_expert.
-    dparams = dict(experts=spec.experts if ep else E, topk=K, tile_m=1 if ep else row_tile, threads=dispatch_threads,
-                   items_per_thread=DISPATCH_ITEMS, tile_align=cluster_m, status_slot=status_slot,
-                   bad_ids_code=BAD_IDS_CODE, empty_id=EMPTY_ID)
-    if ep:  # the send order: local expert first (expert_parallel.py)
-        dparams.update(order_world=spec.world_size, order_local=E)
-    d_experts = dparams["experts"]
-    kernels += [
-        KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
-                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [d_experts]),
-                    KernelArg("tile_counters", "tile_counters", "i32", [n_counters])],
-                   grid=f"({d_experts},)", block=dispatch_threads,
-                   warp_roles=["all warps: count one expert's pairs; CTA 0 also zeroes the GEMM tile counters"]),
-        KernelPlan("dispatch_scatter", "send", "dispatch", "dispatch.py.j2", "scatter", dparams,
-                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [d_experts]),
-                    KernelArg("pos", "pos", "i32", ["T", K]),
-                    KernelArg("row_token", "send_token" if ep else "row_token", "i32", ["M"]),
-                    KernelArg("tile_expert", "send_expert" if ep else "tile_expert", "i32", ["MT"]),
-                    KernelArg("tile_counters", "tile_counters", "i32", [n_counters])]
-                   + ([KernelArg("h_ready", "h_ready", "i32", ["MT"])] if fuse and not ep else []),
-                   grid=f"({d_experts},)", block=dispatch_threads,
-                   warp_roles=["all warps: stable compaction of one expert's pairs (block scan)"]),
-    ]
-    dparams.update(fused=fuse and not ep, used_slot=used_slot)  # expert parallel: layout writes them
-    # The dispatch kernels (the single launch dispatches by itself, per expert): O(T*K) by chunks of
-    # pairs, unless overridden; expert parallel groups by owner first (the per-expert kernels).
-    chunked = not ep and (overrides or {}).get("dispatch_chunked", True)
-    if chunked:
-        kernels[-2:] = chunked_dispatch(kernels[-2:], dparams, K, E, buffers)
-        decisions.append(f"dispatch: O(T*K), one CTA of {CHUNK_THREADS} threads per {CHUNK_PAIRS} pairs; per-chunk "
-                         "histograms, fixed-order sums and match.sync ranks keep (token, slot) order (the per-expert "
-                         "kernels' positions, bit for bit; 106 -> 13 us at E64 T=16384, docs/perf.md)")
-    else:
-        decisions.append(f"dispatch: one CTA of {dispatch_threads} threads per expert; scan-based stable "
-                         "compaction keeps (token, slot) order, so positions are deterministic")
-
-    def gemm(name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc, gather_a=False,
-             routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn="", copy_rows=None,
-             rows_tile=None, swap=False):
-        """One grouped GEMM. The backward's modes (templates/grouped_gemm_persistent.py.j2):
-        epilogue "pair" (c = (c0, c1), both products stored), b_major "mn" (B stored
-        [groups, K, N]), split_k (a = (a0, a1) and b = (b0, b1) along K), wgrad_m (weight
-        gradients [groups, wgrad_m, n] contracted over each group's rows; k is unused; gather_mn
-        "a" or "b": that operand's rows gathered from token rows through row_token; copy_rows
-        (source, destination, counter slot): the kernel's idle warps also copy the source's token
-        rows into the destination in dispatch order, see COPY_CLAIM_ROWS); rows_tile: the M tile of a
-        routed GEMM whose launch lays its rows out itself (the small calls' single launch), else
-        row_tile; swap: the wgmma's operands swapped (swap_tiling)."""
-        rows_tile = rows_tile or row_tile
-        tile_m = WGRAD_TILE_M if wgrad_m else rows_tile  # a weight-gradient tile runs over H or I, not rows
-        tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a or bool(gather_mn) or bool(copy_rows),
-                                (overrides or {}).get(f"{name}.tile_n"), (overrides or {}).get(f"{name}.epi_stages"),
-                                swap, (overrides or {}).get(f"{name}.tile_k"))
-        cs = c if isinstance(c, tuple) else (c,)
-        if wgrad_m:  # A [rows, wgrad_m], B [rows, n]; counts give each group's rows
-            args = [KernelArg("a", a, "bf16", ["T" if gather_mn == "a" else m_sym, wgrad_m])]
-            if gather_mn:
-                args.append(KernelArg("row_token", "row_token", "i32", [m_sym]))
-            args += [KernelArg("b0", b[0], "bf16", ["T" if gather_mn == "b" else m_sym, n]),
-                     KernelArg("tile_expert", tiles_tensor, "i32", [groups]),
-                    KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
-                    KernelArg("c", cs[0], "bf16", [groups, wgrad_m, n])]
-        else:
-            a_k = k // 2 if split_k else k
-            if gather_a:  # A rows gathered from the token rows through row_token
-                args = [KernelArg("a", a, "bf16", ["T", k]), KernelArg("row_token", "row_token", "i32", [m_sym])]
-            else:
-                args = [KernelArg("a", a[0] if split_k else a, "bf16", [m_sym, a_k])]
-                if split_k:
-                    args.append(KernelArg("a1", a[1], "bf16", [m_sym, a_k]))
-                if routed:
-                    args.append(KernelArg("row_token", "row_token", "i32", [m_sym]))
-            bshape = [groups, n, a_k] if b_major == "k" else [groups, a_k, n]
-            args.append(KernelArg("b0", b[0], "bf16", bshape))
-            if epilogue in ("swiglu", "swiglu_save", "pair") or split_k:
-                args.append(KernelArg("b1", b[1], "bf16", bshape))
-            args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
-                     KernelArg("tile_counter", "tile_counters", "i32", [n_counters])]
-            args += [KernelArg(f"c{i + 1 if i else ''}", t, "bf16", [m_sym, n]) for i, t in enumerate(cs)]
-            if copy_rows:
-                args += [KernelArg("copy_src", copy_rows[0], "bf16", ["T", H]),
-                         KernelArg("copy_dst", copy_rows[1], "bf16", [m_sym, H])]
-        raster = (overrides or {}).get(f"{name}.raster", "m")
-        # Gathered A stages a producer warp keeps in flight before releasing the oldest.
-        # The consumers release a stage only after the next one is full (one wgmma batch
-        # stays in flight), so the producer may hold at most stages - 2 un-released
-        # stages; one more and producer and consumers wait on each other forever.
-        # Measured on H200 (E64 K8 H2048 I1024, T=16384): lag 2 was no faster than lag 1
-        # (3.14 vs 3.12 ms), so the default keeps the shallower, simpler one; swapped tiles of
-        # few token rows keep SWAP_GATHER_LAG (see there).
-        default_lag = SWAP_GATHER_LAG if swap and rows_tile <= SWAP_GATHER_LAG_MAX_ROWS else 1
-        gather_lag = (overrides or {}).get(f"{name}.gather_lag", min(default_lag, max(tl["stages"] - 2, 1)))
-        if not 1 <= gather_lag <= tl["stages"] - 2 and not (overrides or {}).get("debug_unchecked"):
-            raise PlanError(f"{name}: gather lag {gather_lag} must be in [1, stages - 2] (deadlock otherwise)")
-        # Which rows of an M tile hold tokens. A consumer warpgroup whose whole slice is
-        # padding skips its wgmma (the tensor cores then serve the other one alone): the
-        # routed GEMMs read it from row_token (-1 marks padding), the shared expert's
-        # tiles are full up to the last one, whose rows end at T. A weight-gradient tile
-        # contracts its group's rows (counts) and is never part padding.
-        valid_rows = "counts" if wgrad_m else "row_token" if routed else "m_rows"
-        params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster,
-                      cluster_m=cluster_m if routed and clustered else 1,
-                      valid_rows=valid_rows, sched_slot=gemm_names.index(name) if name in gemm_names else 0,
-                      sched_stages=SCHED_STAGES,
-                      status_slot=status_slot,
-                      gather_lag=gather_lag, vec=VEC, wait_timeout_ns=wait_timeout_ns, status_poll_ns=STATUS_POLL_NS,
-                      b_major=b_major, split_k=split_k, wgrad=bool(wgrad_m), m_size=wgrad_m, gather_mn=gather_mn,
-                      row_align=rows_tile * cluster_m,
-                      **(dict(copy_rows=True, copy_slot=copy_rows[2], copy_cols=H, copy_claim_rows=COPY_CLAIM_ROWS,
-                              copy_batch_producer=COPY_BATCH_PRODUCER, copy_batch_consumer=COPY_BATCH_CONSUMER)
-                         if copy_rows else {}),
-                      class_name=class_name(name), name=name, doc=doc)
-        smem = params.pop("smem_bytes")
-        decisions.append(
-            f"{name}: persistent over min({tl['sms']} SMs, tiles), tile {tl['tile_m']}x{tl['tile_n']}x{tl['tile_k']}, "
-            f"{tl['stages']} stages ({smem // 1024} KiB smem), 1 producer + {tl['mma_warpgroups']} MMA warpgroups; "
-            f"tiles claimed from tile_counters[{params['sched_slot']}] in {raster}-major order, so the tiles in "
-            "flight stay together in L2 even when some take less time (half-empty ones)"
-        )
-        return KernelPlan(name, stage, name, "grouped_gemm_persistent.py.j2", "main", params, args,
-                          grid=f"(min({tl['sms']}, {tiles_sym}*ceil({n}/{tl['tile_n']})),)", block=tl["threads"],
-                          warp_roles=[f"warpgroup 0: TMA producer (warp 0), {tl['producer_regs']} registers",
-                                      f"warpgroups 1..{tl['mma_warpgroups']}: wgmma consumers + epilogue "
-                                      f"(stmatrix + TMA store), {tl['consumer_regs']} registers"],
-                          smem_bytes=smem)
-
+    # The routed forward GEMMs (the per-GEMM path's; the single launch starts from gate/up's)
     if ep:  # the received rows are contiguous and grouped by expert: TMA loads them
         gateup = gemm("gemm_gateup", "gemm_gateup", "ep_recv", ("w_gate", "w_up"), "h", I, H, "swiglu",
                       "tile_expert", "M", "MT", E, "Routed gate/up projection (received rows) with the SwiGLU epilogue.")
-        if expert_parallel.overlapped(overrides or {}):
-            send_ctas = expert_parallel.comm_ctas(spec, target, overrides or {})[0]
+        if expert_parallel.overlapped(ov):
+            send_ctas = expert_parallel.comm_ctas(spec, target, ov)[0]
             expert_parallel.overlap_gemm(gateup, spec, target, send_ctas)
             waiting_gateup = copy.deepcopy(gateup)  # what the single launch starts from
-            if expert_parallel.gemm_sends(overrides or {}):
+            if expert_parallel.gemm_sends(ov):
                 expert_parallel.send_in_gemm(gateup, spec, target, send_ctas)
     else:
         gateup = gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
@@ -631,123 +417,33 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                          "no permuted copy of x")
     down = gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
                 "tile_expert", "M", "MT", E, "Routed down projection." + (
-                    " It returns its rows to their source ranks per M tile." if gemm_returns else ""))
-    if gemm_returns:
-        n_ret, why_ret = expert_parallel.return_in_gemm(down, spec, target, overrides or {}, slots.index("ep_return"))
-    steps = {}
+                    " It returns its rows to their source ranks per M tile." if counters.gemm_returns else ""))
+    if counters.gemm_returns:
+        n_ret, why_ret = expert_parallel.return_in_gemm(down, spec, target, ov, counters.slot("ep_return"))
+    steps: dict[str, list[str]] = {}
     laid_out = None  # (expert parallel: whether the single launch dispatches and lays out itself)
     bands: list = []  # (the single launch's tiles by T, launch_bands)
-    if paths != "fused":
+    if paths.kind != "fused":
         kernels += [gateup, down]
         steps["forward"] = ["dispatch_count", "dispatch_scatter", "gemm_gateup", "gemm_down"] + \
             (["shared_gateup", "shared_down"] if S else [])
-    if fuse and ep:  # send, gate/up, down and return in one launch
-        fused = fused_gemm(waiting_gateup, H, I, E, used_slot, target, 0, 0, gemm_names.index("gemm_fused"), None, K,
-                           bool((overrides or {}).get("debug_break_dependency")))
-        decisions.append(expert_parallel.make_single_launch(fused, spec, target, send_ctas, overrides or {}))
-        layout = expert_parallel.layout_params(spec, row_tile, status_slot, wait_timeout_ns, used_slot)
-        laid_out = expert_parallel.layout_in_launch(fused, spec, dparams, layout, overrides or {}, buffers)
+    if paths.fuse and ep:  # send, gate/up, down and return in one launch
+        fused = fused_gemm(waiting_gateup, H, I, E, counters.used, target, 0, 0, counters.slot("gemm_fused"), None, K,
+                           bool(ov.get("debug_break_dependency")))
+        decisions.append(expert_parallel.make_single_launch(fused, spec, target, send_ctas, ov))
+        layout = expert_parallel.layout_params(spec, row_tile, counters.status, wait_timeout_ns, counters.used)
+        laid_out = expert_parallel.layout_in_launch(fused, spec, dparams, layout, ov, buffers)
         if laid_out:
             decisions.append(laid_out)
         kernels.append(fused)
         buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)], memory="persistent"))
-    elif fuse:
-        kernels.append(fused_gemm(gateup, H, I, E, used_slot, target, S, shared_slot, gemm_names.index("gemm_fused"),
-                                  done_slot, K, bool((overrides or {}).get("debug_break_dependency"))))
-        lag = (overrides or {}).get("gemm_fused.wave_lag", 0)
-        if lag and S:
-            raise PlanError("gemm_fused.wave_lag: the wavefront tile order is not generated with a shared expert")
-        kernels[-1].params["wave_lag"] = lag
-        buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
-        in_launch = dispatch_in_launch(kernels[-1], dparams, overrides or {}, buffers)
-        steps["forward_fused" if paths == "by_tokens" else "forward"] = \
-            ["gemm_fused"] if in_launch else ["dispatch_count", "dispatch_scatter", "gemm_fused"]
-        if in_launch:
-            chunk = kernels[-1].params["dispatch"].get("chunk")
-            how = (f"each CTA counts, then places, every grid-th chunk of {chunk} pairs (the chunked dispatch "
-                   "kernels' code, templates/dispatch_chunks.py.j2: one step a chunk, where a CTA placing an expert "
-                   "scans every pair; every dispatch's bits)" if chunk else
-                   "each CTA counts, then places, every grid-th expert's pairs (the per-expert dispatch kernels' "
-                   "code; every dispatch's bits)")
-            decisions.append(
-                f"gemm_fused also dispatches: {how} before it takes tiles; two launch-wide counters order the phases "
-                "(bounded waits; the last CTA past them zeroes them for the next call), so the forward is one launch")
-            kernels.append(routed_launch(kernels[-1], spec))
-            steps["forward_routed"] = ["gemm_fused_routed"]
-            decisions.append(
-                "gemm_fused_routed: the same launch, routing first (router logits -> softmax -> top-k, the route "
-                "kernel's code and bits, one token per warp; a third counter says when every CTA has routed): "
-                "mokgen.moe_routed runs it for calls the fused launch serves")
-        bands, why_bands = launch_bands(spec, row_tile, target.sms, in_launch and paths == "by_tokens",
-                                        overrides or {})
-        if bands:
-            swapped = sorted({n for _, n in bands if n})
-            # One tile table and one set of gate/up counts for all of them (a call runs one),
-            # sized for the smallest tile (the most tiles); the row buffers for the per-GEMM
-            # path's tiles (the training forward and the backward take it at every T) or the
-            # band's that serves T, whichever lays out more rows (not the largest band's at
-            # every T: a small call's workspace stays small enough to keep, KEEP_WORKSPACE_BYTES).
-            m_tiles_w = sympy.ceiling(T * K / swapped[0]) + E
-            buffers += [Buffer("tile_expert_w", "i32", [_expr(m_tiles_w)]),
-                        Buffer("h_ready_w", "i32", [_expr(m_tiles_w)])]
-            rows_w = sympy.Max(rows, sympy.Piecewise(*(((sympy.ceiling(T * K / n) + E) * n if n else rows,
-                                                        sympy.Le(T, top)) for top, n in bands), (rows, True)))
-            for b in buffers:
-                if b.name in ("row_token", "h", "y"):
-                    b.shape[0] = _expr(rows_w)
-                if b.name == "tile_expert":
-                    # The per-GEMM tile table covers every row of these buffers: the kernels that
-                    # walk all rows of row_token (the SwiGLU backward, the x-row copy) read
-                    # tile_expert[r // row_tile] first, and dispatch writes -1 past the used tiles.
-                    b.shape[0] = _expr(sympy.ceiling(rows_w / row_tile))
-            rows = rows_w  # (every buffer of rows after these, the backward's too, has as many)
-            small_t = SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk
-            for n in swapped:
-                name = f"gemm_fused_n{n}"
-                gateup_w = gemm(name, "gemm", "x", ("w_gate", "w_up"), "h", I, H, "swiglu", "tile_expert",
-                                "M", "MT", E, "", gather_a=True, rows_tile=n, swap=True)
-                decisions.pop()  # (its tiling is stated with the launch below)
-                band = fused_gemm(gateup_w, H, I, E, used_slot, target, 0, 0, gemm_names.index("gemm_fused"),
-                                  done_slot, K, name=name)
-                band.params.update(wave_lag=0, doc="Routed gate/up (SwiGLU) and down projections in one launch, "
-                                                   f"swapped tiles of {n} token rows.")
-                for a in band.args:
-                    a.tensor = {"tile_expert": "tile_expert_w", "h_ready": "h_ready_w"}.get(a.tensor, a.tensor)
-                # (launch_sync shared). Calls up to small_t tokens: each CTA counts every expert
-                # itself, 3.7 against 5.2 us of dispatch phase at E64 T=64, 1.01x the call there
-                # and 1.05x at E40; larger ones by chunks of pairs (docs/perf.md).
-                top = max(t for t, m in bands if m == n)
-                dispatch_in_launch(band, dict(dparams, tile_m=n), overrides or {}, [], local_count=top <= small_t)
-                kernels.append(band)
-                steps[f"forward_n{n}"] = [name]
-                kernels.append(routed_launch(band, spec))
-                steps[f"forward_routed_n{n}"] = [f"{name}_routed"]
-                bp = band.params
-                decisions.append(
-                    f"{name} (and {name}_routed, its routing twin): the single launch (it dispatches, runs every "
-                    f"gate/up and down tile and combines: the same bits) with swapped {bp['tile_m']}x{bp['tile_n']}"
-                    f"x{bp['tile_k']} tiles: the weights' {bp['tile_n']} rows the wgmma's M (1 producer + "
-                    f"{bp['mma_warpgroups']} MMA warpgroups of 64), the {n} token rows its N; {bp['stages']} stages, "
-                    f"{bp['gather_lag']} gathered in flight per producer warp; "
-                    + ("each CTA counts every expert's pairs itself" if bp["dispatch"]["local_count"] else
-                       "dispatch by chunks of pairs"))
-        if why_bands:
-            decisions.append(why_bands)
-        decisions.append(
-            f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
-            f"tiles, then all down tiles); a down tile waits until h_ready[m] counts the "
-            f"{I // gateup.params['tile_n']} gate/up tiles of its M tile (release/acquire at GPU scope, "
-            "bounded spin), so there is no grid-wide barrier and no deadlock: a down tile only waits for tiles "
-            "claimed before it")
-        if S:
-            decisions.append(
-                f"gemm_fused also runs the shared expert: its gate/up tiles come after the routed gate/up tiles "
-                f"(they fill the SMs while the last routed gate/up tiles finish), its down tiles last, after "
-                f"tile_counters[{shared_slot}] counts every shared gate/up tile")
+    elif paths.fuse:
+        bands, rows = single_launches(gemm, gateup, spec, target, row_tile, paths, counters, dparams, ov, kernels,
+                                      buffers, steps, decisions, m_tiles, rows)
     if S:
         s_tiles = sympy.ceiling(T / row_tile)
         buffers += [Buffer("hs", "bf16", ["T", str(S)]), Buffer("ys", "bf16", ["T", str(H)])]
-    if S and paths != "fused":
+    if S and paths.kind != "fused":
         buffers.append(Buffer("shared_tiles", "i32", [_expr(s_tiles)], init="zeros"))
         kernels.append(gemm("shared_gateup", "shared_gateup", "x", ("ws_gate", "ws_up"), "hs", S, H, "swiglu",
                             "shared_tiles", "T", "ST", 1, "Shared expert gate/up projection (every token).",
@@ -757,18 +453,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                             routed=False))
         decisions.append("shared expert: the same grouped GEMM with one group over all T tokens")
 
-    combine_threads = simt_threads(H, target)
-    cargs = [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("weights", "topk_weights", "f32", ["T", K]),
-             KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("y", "ep_ret" if ep else "y", "bf16", ["M", H])]
-    if S:
-        cargs.append(KernelArg("ys", "ys", "bf16", ["T", H]))
-    cargs.append(KernelArg("out", "out", "bf16", ["T", H]))
-    reduction_order = "out[t] = bf16(sum over k = 0..K-1 in order of w[t,k]*y[t,k] in fp32" + (
-        ", then + shared(x)[t])" if S else ")")
-    kernels.append(KernelPlan(
-        "combine", "reduce", "combine", "combine.py.j2", "main",
-        dict(experts=d_experts, topk=K, hidden=H, threads=combine_threads, vec=VEC, shared=bool(S)),
-        cargs, grid="(T,)", block=combine_threads, warp_roles=["all warps: one token row, fixed k order"]))
+    combine, reduction_order = combine_kernel(spec, target, dparams["experts"])
+    kernels.append(combine)
     chunks = [k.params["dispatch"]["chunk"] for k in kernels if k.params.get("dispatch", {}).get("chunk")]
     if chunks:  # the single launches' chunk histograms (the smallest chunk has the most)
         buffers.append(Buffer("launch_hist", "i32", [_expr(sympy.ceiling(T * K / min(chunks))), str(E + 1)]))
@@ -776,142 +462,49 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     for entry in steps:  # a single launch may combine itself
         if not combining & set(steps[entry]):
             steps[entry].append("combine")
-    if fused_combine and combine_early:
+    if paths.fused_combine and paths.combine_early:
         decisions.append(
             "gemm_fused also combines: each down tile raises h_ready[m] after its stores (after the gate/up tiles' "
             f"counts); once a CTA has no tile left, each consumer warp claims (token row, part) tasks from "
-            f"tile_counters[{slots.index('combine_next')}], waits until the M tiles of the token's rows have all "
+            f"tile_counters[{counters.slot('combine_next')}], waits until the M tiles of the token's rows have all "
             "their down tiles stored, and reduces them with the combine's fixed k order (the same bits as the "
             "combine kernel), beside the last down tiles")
-    elif fused_combine:
+    elif paths.fused_combine:
         decisions.append(
-            f"gemm_fused also combines: each down tile raises tile_counters[{done_slot}] after its stores; once a CTA "
-            "has no tile left, its consumer warps wait until every down tile is stored, then reduce token rows "
+            f"gemm_fused also combines: each down tile raises tile_counters[{counters.done}] after its stores; once "
+            "a CTA has no tile left, its consumer warps wait until every down tile is stored, then reduce token rows "
             "t = CTA, CTA + grid, ... with the combine's fixed k order (the same bits as the combine kernel)")
     sm_roles, queues, side_stream = {"compute": target.sms, "communication": 0}, [], []
     if ep:
-        ep_ks, ep_why, queues, ctas = expert_parallel.ep_kernels(
-            spec, target, row_tile, n_counters, status_slot, wait_timeout_ns, overrides or {},
-            used_slot if fuse else None)
+        ep_ks, sm_roles, queues, side_stream = expert_parallel.forward_steps(
+            spec, target, row_tile, counters.n, counters.status, wait_timeout_ns, ov,
+            counters.used if paths.fuse else None, laid_out, steps, decisions,
+            (n_ret, why_ret) if counters.gemm_returns else None,
+            send_ctas if expert_parallel.overlapped(ov) else None)
         kernels += ep_ks
-        decisions += ep_why
-        sm_roles = ({"compute": target.sms - ctas, "communication": ctas} if expert_parallel.overlapped(overrides or {})
-                    else {"compute": target.sms, "communication": ctas, "shared": "time-sliced: separate launches"})
-        shared_steps = ["shared_gateup", "shared_down"] if S else []
-        # The shared expert's GEMMs run while the peers' rows are in flight; overlapped, the
-        # send runs on the second stream and gate/up waits per M tile instead of ep_wait_rows.
-        sends = expert_parallel.gemm_sends(overrides or {})  # the gate/up launch sends the rows itself
-        head = ["dispatch_count", "dispatch_scatter", "ep_publish", "ep_layout"] + ([] if sends else ["ep_send"]) \
-            + shared_steps
-        if fuse:  # small calls: the single launch (dispatches, lays out,) sends, computes and returns
-            steps["forward_fused"] = ([] if laid_out else ["dispatch_count", "dispatch_scatter", "ep_publish",
-                                                           "ep_layout"]) + ["gemm_fused"] \
-                + ([] if expert_parallel.fused_combines(overrides or {}) else ["ep_wait_returns", "combine"])
-        if expert_parallel.overlapped(overrides or {}):  # the send beside gate/up, which waits per M tile
-            steps["forward"] = head + ["gemm_gateup", "gemm_down"] + ([] if gemm_returns else ["ep_return"]) \
-                + ["ep_wait_returns", "combine"]
-            if gemm_returns:
-                decisions.append(f"return inside gemm_down: its last {n_ret} CTAs return M tiles from the start, the "
-                                 "others once they have no tile left; an M tile's rows leave when its N tiles are "
-                                 f"stored (down_ready, release/acquire at GPU scope, bounded); {why_ret}")
-            side_stream = [] if sends else ["ep_send"]
-            if sends:
-                decisions.append(f"send inside gemm_gateup: its first {send_ctas} CTAs store this rank's rows into "
-                                 "their owners' ep_recv, then take GEMM tiles like the others")
-        else:
-            steps["forward"] = head + ["ep_wait_rows", "gemm_gateup", "gemm_down", "ep_return", "ep_wait_returns",
-                                       "combine"]
     decisions.append(f"combine: {reduction_order}; one CTA per token, no atomics: bitwise deterministic")
 
-    if backward:
+    if paths.backward:
         exchange = None
         if ep:  # the backward's exchange, its copies beside GEMMs unless ep_overlap is false
-            split = expert_parallel.backward_comm_ctas(spec, target, overrides or {}) \
-                if expert_parallel.overlapped(overrides or {}) else None
-            common = (spec, target, row_tile, n_counters, status_slot, wait_timeout_ns)
-            threads = expert_parallel.comm_threads(overrides or {}, backward=True)
-            sends = {what: expert_parallel.exchange_kernels(*common, split[f"send_{what}"][0] if split else target.sms,
-                                                             backward=True, threads=threads, send=what)
-                     for what in ("grad", "x")}
-            exchange = (expert_parallel.exchange_kernels(
-                *common, split["send"][0] if split else target.sms, backward=True,
-                return_ctas=split["return"][0] if split else target.sms, threads=threads)
-                + sends["grad"] + sends["x"], split, steps["forward"])
+            exchange = expert_parallel.backward_exchange(spec, target, row_tile, counters.n, counters.status,
+                                                         wait_timeout_ns, ov, steps["forward"])
             buffers += expert_parallel.ep_backward_buffers(spec, row_tile)
         kernels += backward_kernels(gemm, spec, target, row_tile, buffers, steps, decisions, _expr(rows), exchange,
-                                    slots.index("xs_copy") if "xs_copy" in slots else None)
+                                    counters.slot("xs_copy"))
         if ep and exchange[1]:
             side_stream += ["ep_send_bwd", "ep_send_bwd_grad", "ep_send_bwd_x", "ep_return_bwd"]
-    for k in kernels:
-        if k.params.get("combine") and "combine_unroll" in (overrides or {}):
-            k.params = dict(k.params, combine_unroll=overrides["combine_unroll"])
-        if k.params.get("combine") and k.params.get("fused") and combine_early:
-            k.params = dict(k.params, combine_early=True, combine_slot=slots.index("combine_next"),
-                            debug_break_combine=bool((overrides or {}).get("debug_break_combine")))
-            k.warp_roles = k.warp_roles + ["a consumer warp with no tile left claims combine tasks, each waiting "
-                                           "for the M tiles of its token's rows"]
-        if k.params.get("fused") and k.params.get("dispatch") and fused_combine and mirror_status:
-            # The single launch is its entry's only kernel: its last CTA mirrors the error code.
-            k.params = dict(k.params, mirror_status=True, finished_slot=slots.index("launch_done"))
-            k.warp_roles = k.warp_roles + ["thread 0 of the launch's last CTA: a set error code to pinned host memory"]
-            k.args = k.args + [KernelArg("status_host", "status_host", "i32", [1])]
-        if k.params.get("swap") and k.params.get("fused"):
-            # The swapped tiles' L2 policies: weight loads evict-first (SWAP_WEIGHTS_EVICT_FIRST),
-            # the h and y rows' TMA loads and stores evict-last (SWAP_ROWS_EVICT_LAST).
-            if (overrides or {}).get("weights_evict_first", SWAP_WEIGHTS_EVICT_FIRST):
-                k.params = dict(k.params, weights_evict_first=True, weight_l2_policy=L2_EVICT_FIRST)
-            if (overrides or {}).get("rows_evict_last", SWAP_ROWS_EVICT_LAST):
-                k.params = dict(k.params, rows_evict_last=True, rows_l2_policy=L2_EVICT_LAST)
-            pairs = (overrides or {}).get("weight_pairs")
-            if pairs is None:  # (the default: where they were measured to pay)
-                pairs = SWAP_WEIGHT_PAIRS and k.params["tile_m"] <= SWAP_WEIGHT_PAIRS_MAX_ROWS \
-                    and not weight_starved(spec, target.sms)
-            if pairs and pairs_fit(k.params):
-                k.params = dict(k.params, weight_pairs=True)
-    for param, what in (("weights_evict_first", "weight loads evict-first in L2 (an expert's rows fit one tile, so "
-                                                "each weight byte is read once; x, h and y keep their lines)"),
-                        ("rows_evict_last", "h and y rows evict-last in L2 (the down tiles read h again, the "
-                                            "combine y)"),
-                        ("weight_pairs", "weight loads of two 64-wide K blocks issued together (each weight row "
-                                         "read 256 bytes at a time)"),
-                        ("mirror_status", "the launch's last CTA copies a set error code to the runtime's pinned "
-                                          "host word itself (no status_mirror launch behind the call)")):
-        marked = [k.name for k in kernels if k.params.get(param) and not k.name.endswith("_routed")]
-        if marked:
-            decisions.append(f"{', '.join(marked)} (and their routing twins): {what}")
-    profile = bool((overrides or {}).get("profile"))
-    # The kernels that record: every forward path's (the per-GEMM path, the single launch and
-    # its bands by T; not the routing twins, which run the same tiles).
-    profiled = {n for entry in steps if entry == "forward" or entry == "forward_fused"
-                or re.fullmatch(r"forward_n\d+", entry) for n in steps[entry]}
-    for k in kernels:  # every template reads the flag; only the forward's kernels record
-        k.params = dict(k.params, profile=profile and k.name in profiled)
-    if profile:
-        d_tasks = sympy.ceiling(T * K / CHUNK_PAIRS) if chunked else sympy.Integer(E)  # one per dispatch CTA
-        tasks = {"dispatch_count": d_tasks, "dispatch_scatter": d_tasks, "combine": T}
-        for k in kernels:
-            if k.template == "grouped_gemm_persistent.py.j2":
-                m = s_tiles if k.name.startswith("shared") else \
-                    sympy.ceiling(T * K / k.params["tile_m"]) + E if k.params.get("swap") else m_tiles
-                tasks[k.name] = m * (-(-k.params["n_size"] // k.params["tile_n"]) + k.params.get("n2_tiles", 0))
-                if k.params.get("s_size"):  # the fused launch's shared-expert tiles
-                    tasks[k.name] += s_tiles * (k.params["s_size"] // k.params["tile_n"] + k.params["n2_tiles"])
-                if k.params.get("fused") and k.params.get("combine"):  # each CTA's dispatch and combine phases
-                    k.params["prof_cta_rows"] = target.sms  # (rows before the tiles'; the grid is at most SMS)
-                    tasks[k.name] += 2 * target.sms
-        add_task_records(kernels, profiled, buffers, tasks)
-        decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA; in a single launch "
-                         "each CTA's dispatch and combine phases too) records its SM and its start and end time "
-                         "(globaltimer) in prof_<kernel>; `mokgen profile` draws them")
+    launch_policies(kernels, spec, target, paths, counters, ov, decisions)
+    profiling(kernels, steps, buffers, spec, target, m_tiles, row_tile, chunked, ov, decisions)
 
     steps["route"] = ["route"]
     steps["route_backward"] = ["route_backward"]
     steps["status"] = ["status_mirror"]
     kernels = [k for k in kernels if any(k.name in entry for entry in steps.values())]  # nothing unused is built
-    zeroed = {"backward": ["tile_counters"]} if backward else {}
-    if mirror_status:
-        kernels, why = mirror_status_by_last_kernels(kernels, steps, zeroed, side_stream, n_counters, status_slot,
-                                                     slots.index("launch_done") if "launch_done" in slots else None)
+    zeroed = {"backward": ["tile_counters"]} if paths.backward else {}
+    if paths.mirror_status:
+        kernels, why = mirror_status_by_last_kernels(kernels, steps, zeroed, side_stream, counters.n,
+                                                     counters.status, counters.slot("launch_done"))
         decisions += why
     task_graph = forward_task_graph(spec, gemm_model_params({k.name: k.params for k in kernels}), target).to_dict()
     for k in kernels:  # the single launch claims its tiles in the task graph's order
@@ -936,15 +529,549 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         steps=steps,
         flops=str(graph.flops()),
         decisions=decisions,
-        overrides=dict(overrides or {}),
+        overrides=dict(ov),
         task_graph=task_graph,
-        fused_max_tokens=(EP_FUSED_MAX_TOKENS if ep else FUSED_MAX_TOKENS) if paths == "by_tokens" else 0,
-        launch_bands=[[t, f"forward_n{n}" if n else "forward_fused"] for t, n in bands] if fuse and not ep else [],
+        fused_max_tokens=(EP_FUSED_MAX_TOKENS if ep else FUSED_MAX_TOKENS) if paths.kind == "by_tokens" else 0,
+        launch_bands=[[t, f"forward_n{n}" if n else "forward_fused"] for t, n in bands] if paths.fuse and not ep
+        else [],
         zeroed=zeroed,
         side_stream=side_stream,
     )
     check_plan(plan, graph)
     return plan
+
+
+def routed_tiles(spec: MoESpec, target: Target, ov: dict, decisions: list) -> tuple[int, int, sympy.Expr]:
+    """The routed GEMMs' row tile, their cluster size along M, and the bound on their M tiles
+    (sized on the host from T alone, so that no call reads a count back)."""
+    E, K = spec.local_experts, spec.topk
+    row_tile, why = choose_row_tile(spec, target)
+    if "row_tile" in ov:
+        row_tile, why = ov["row_tile"], "set by override"
+    decisions.append(f"row tile {row_tile}: each expert's rows start on a multiple of it, so every GEMM M tile "
+                     f"has one expert; {why}")
+    # Clusters of 2 CTAs along M share (multicast) the routed GEMMs' weight tiles, so an
+    # expert's M tiles come in pairs: dispatch pads each expert to an even tile count.
+    cluster_m = int(ov.get("cluster_m", 1))
+    ep = spec.world_size > 1
+    if cluster_m == 2:
+        if ov.get("fuse_gemms"):
+            raise PlanError("cluster_m=2 and fuse_gemms together are not generated yet")
+        if any(ov.get(f"{g}.raster", "m") != "m" for g in ("gemm_gateup", "gemm_down")):
+            raise PlanError("cluster_m=2 needs M-major raster order")
+        m_tiles = 2 * sympy.ceiling(T * K / (2 * row_tile)) + 2 * E
+        decisions.append("cluster 2x1 for the routed GEMMs: the two CTAs take M tiles 2p and 2p+1 of one expert "
+                         "and the same N tile, each loads half of every weight tile and multicasts it to both "
+                         "(half the L2-to-SM weight traffic); experts padded to an even number of M tiles")
+    elif ep:  # the GEMMs run on the rows this rank receives
+        from . import expert_parallel
+
+        m_tiles = expert_parallel.received_tiles(spec, row_tile)
+    else:
+        m_tiles = sympy.ceiling(T * K / row_tile) + E
+    decisions.append(f"routed M tiles bounded by {_expr(m_tiles)}: sized on the host from "
+                     f"{'the peer workspace capacity C' if ep else 'T'} alone, no host sync")
+    return row_tile, cluster_m, m_tiles
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The forward's paths and what the single launch does besides its GEMM tiles."""
+    kind: str  # "multi" (one launch per GEMM), "fused" (the single launch) or "by_tokens" (both, by T)
+    fused_combine: bool  # the single launch combines too
+    combine_early: bool  # ... per token, as soon as its rows' down tiles are stored
+    mirror_status: bool  # an entry's last kernel copies the error code to the host itself
+    backward: bool  # the Plan has the training forward and the backward
+
+    @property
+    def fuse(self) -> bool:
+        """The Plan has the single launch (and dispatch feeds it)."""
+        return self.kind != "multi"
+
+
+def choose_paths(spec: MoESpec, target: Target, row_tile: int, ov: dict, cluster_m: int, decisions: list) -> Paths:
+    """The forward paths (forward_paths), and the single launch's combine, the error code's copy
+    and the backward; an override that would change nothing is an error."""
+    ep = spec.world_size > 1
+    # "multi" (one launch per GEMM), "fused" (all in one launch, the shared expert's tiles
+    # included), or "by_tokens": both built, the fused one run up to FUSED_MAX_TOKENS tokens.
+    # Override fuse_gemms: true / false forces one path.
+    kind, why = forward_paths(spec, target, row_tile, ov, cluster_m)
+    decisions.append(why)
+    fuse = kind != "multi"
+    for key, needs in (("gemm_fused.wave_lag", fuse), ("ep_fused_combine", fuse and ep), ("dispatch_in_launch", fuse)):
+        if key in ov and not needs:
+            raise PlanError(f"{key}: the layer is not expert parallel" if key.startswith("ep_") and not ep else
+                            f"{key}: this Plan has no single launch ({why})")
+    # The fused launch combines too (expert parallel: the combine reads the returned rows after
+    # the wait).
+    fused_combine = fuse and not ep
+    # Early combine (COMBINE_EARLY, override combine_early): the launch's combine tasks wait per
+    # token for the down tiles of its rows, not for every down tile (not with a shared expert,
+    # whose ys rows every token needs).
+    combine_early = fused_combine and not spec.shared_intermediate and bool(ov.get("combine_early", COMBINE_EARLY))
+    # An entry's last kernel copies the call's error code itself where it can (MIRROR_STATUS,
+    # override mirror_status; mirror_status_by_last_kernels): the single launch and the
+    # backward's last GEMM count their finished CTAs in tile_counters' launch_done slot (an
+    # expert-parallel backward ends in bwd_combine, which needs no count).
+    mirror_status = bool(ov.get("mirror_status", MIRROR_STATUS))
+    if ov.get("debug_break_combine") and not combine_early:
+        raise PlanError("debug_break_combine: this Plan's single launch has no early combine to break")
+    backward, why = backward_support(spec, ov, kind)
+    decisions.append(why)
+    return Paths(kind, fused_combine, combine_early, mirror_status, backward)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """tile_counters, one place for every slot; dispatch_count zeroes them all, so no extra
+    launch or memset per call:
+      one tile counter per grouped GEMM (its tile scheduler claims tiles from it);
+      the fused launch's number of used M tiles (written by dispatch_scatter), its count
+      of finished shared gate/up tiles and of finished down tiles (the combine waits);
+      last, the call's error code (a wait that timed out, or ids out of range; 0: none)."""
+    slots: tuple[str, ...]
+    gemms: tuple[str, ...]  # the grouped GEMMs, the first slots
+    gemm_returns: bool  # (expert parallel: the down GEMM returns its rows itself, ep_return's slot)
+
+    @classmethod
+    def for_plan(cls, paths: Paths, spec: MoESpec, gemm_returns: bool) -> "Counters":
+        S, ep, fuse = spec.shared_intermediate, spec.world_size > 1, paths.fuse
+        gemms = ([] if paths.kind == "fused" else ["gemm_gateup", "gemm_down"]
+                 + (["shared_gateup", "shared_down"] if S else [])) \
+            + (["gemm_fused"] if fuse else []) + (BACKWARD_GEMMS if paths.backward else []) \
+            + (SHARED_BACKWARD_GEMMS if paths.backward and S else [])
+        slots = gemms + (["used"] if fuse else []) + (["shared_done"] if fuse and S else []) \
+            + (["down_done"] if paths.fused_combine else []) + (["combine_next"] if paths.combine_early else []) \
+            + (["launch_done"] if paths.mirror_status and (paths.fused_combine or paths.backward and not ep) else []) \
+            + (["ep_return"] if gemm_returns else []) \
+            + (["xs_copy"] if paths.backward and not ep else []) + ["status"]
+        return cls(tuple(slots), tuple(gemms), gemm_returns)
+
+    def slot(self, name: str) -> int | None:
+        return self.slots.index(name) if name in self.slots else None
+
+    def gemm_slot(self, name: str) -> int:
+        """A grouped GEMM's tile counter (0 for one that claims no tiles from a counter)."""
+        return self.gemms.index(name) if name in self.gemms else 0
+
+    @property
+    def n(self) -> int:
+        return len(self.slots)
+
+    @property
+    def status(self) -> int:
+        return self.slots.index("status")
+
+    @property
+    def used(self) -> int:
+        return self.slot("used") or 0
+
+    @property
+    def shared(self) -> int:
+        return self.slot("shared_done") or 0
+
+    @property
+    def done(self) -> int | None:
+        return self.slot("down_done")
+
+
+def call_buffers(spec: MoESpec, counters: Counters, m_tiles, rows) -> list[Buffer]:
+    """The forward's workspace: the counters, the dispatch tables and the routed rows."""
+    ep = spec.world_size > 1
+    recv = "persistent" if ep else "call"  # expert parallel: sized by the workspace capacity
+    return [
+        Buffer("tile_counters", "i32", [str(counters.n)]),
+        Buffer("counts", "i32", [str(spec.experts if ep else spec.local_experts)]),
+        Buffer("pos", "i32", ["T", str(spec.topk)]),
+        Buffer("tile_expert", "i32", [_expr(m_tiles)], memory=recv),
+        Buffer("row_token", "i32", [_expr(rows)], memory=recv),
+        Buffer("h", "bf16", [_expr(rows), str(spec.intermediate)], memory=recv),
+        Buffer("y", "bf16", [_expr(rows), str(spec.hidden)], memory=recv),
+    ]
+
+
+ROUTE_THREADS = 128
+
+
+def route_kernels(spec: MoESpec) -> list[KernelPlan]:
+    """The route stage (its own entry point) and its backward (mokgen.route is differentiable:
+    d_logits from d_topk_weights), one token per warp."""
+    K, threads = spec.topk, ROUTE_THREADS
+    params = dict(experts=spec.experts, topk=K, threads=threads, renormalize=spec.renormalize)
+    grid = f"(ceil(T/{threads // 32}),)"
+    return [
+        KernelPlan(
+            name="route", stage="route", module="route", template="route.py.j2", entry="main", params=params,
+            args=[KernelArg("logits", "logits", "f32", ["T", spec.experts]),
+                  KernelArg("ids", "topk_ids", "i32", ["T", K]),
+                  KernelArg("weights", "topk_weights", "f32", ["T", K])],
+            grid=grid, block=threads,
+            warp_roles=["each warp: one token (lanes hold its logits; arg-max rounds over the lanes)"]),
+        KernelPlan(
+            name="route_backward", stage="route_backward", module="route_backward", template="route_backward.py.j2",
+            entry="main", params=dict(params),
+            args=[KernelArg("logits", "logits", "f32", ["T", spec.experts]),
+                  KernelArg("ids", "topk_ids", "i32", ["T", K]),
+                  KernelArg("d_weights", "d_topk_weights", "f32", ["T", K]),
+                  KernelArg("d_logits", "d_logits", "f32", ["T", spec.experts])],
+            grid=grid, block=threads,
+            warp_roles=["each warp: one token (lanes hold its logits and write its d_logits)"]),
+    ]
+
+
+def dispatch_kernels(spec: MoESpec, target: Target, row_tile: int, cluster_m: int, counters: Counters, fuse: bool,
+                     ov: dict, buffers: list, decisions: list) -> tuple[list[KernelPlan], dict, bool]:
+    """The send stage: count, then scatter (positions, row -> token table, tile table); its
+    parameters (which the single launch's own dispatch reuses); whether it goes by chunks of
+    (token, slot) pairs (O(T*K)) rather than one CTA per expert."""
+    ep = spec.world_size > 1
+    K, E = spec.topk, spec.local_experts
+    threads = min(1024, target.max_threads_per_block)
+    # Expert parallel: dispatch groups the rank's pairs by global expert with a one-row tile
+    # (no padding: rows leave for their owners, whose layout pads them), into send_token /
+    # send_expert.
+    dparams = dict(experts=spec.experts if ep else E, topk=K, tile_m=1 if ep else row_tile, threads=threads,
+                   items_per_thread=DISPATCH_ITEMS, tile_align=cluster_m, status_slot=counters.status,
+                   bad_ids_code=BAD_IDS_CODE, empty_id=EMPTY_ID)
+    if ep:  # the send order: local expert first (expert_parallel.py)
+        dparams.update(order_world=spec.world_size, order_local=E)
+    d_experts, n = dparams["experts"], counters.n
+    kernels = [
+        KernelPlan("dispatch_count", "send", "dispatch", "dispatch.py.j2", "count", dparams,
+                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [d_experts]),
+                    KernelArg("tile_counters", "tile_counters", "i32", [n])],
+                   grid=f"({d_experts},)", block=threads,
+                   warp_roles=["all warps: count one expert's pairs; CTA 0 also zeroes the GEMM tile counters"]),
+        KernelPlan("dispatch_scatter", "send", "dispatch", "dispatch.py.j2", "scatter", dparams,
+                   [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("counts", "counts", "i32", [d_experts]),
+                    KernelArg("pos", "pos", "i32", ["T", K]),
+                    KernelArg("row_token", "send_token" if ep else "row_token", "i32", ["M"]),
+                    KernelArg("tile_expert", "send_expert" if ep else "tile_expert", "i32", ["MT"]),
+                    KernelArg("tile_counters", "tile_counters", "i32", [n])]
+                   + ([KernelArg("h_ready", "h_ready", "i32", ["MT"])] if fuse and not ep else []),
+                   grid=f"({d_experts},)", block=threads,
+                   warp_roles=["all warps: stable compaction of one expert's pairs (block scan)"]),
+    ]
+    dparams.update(fused=fuse and not ep, used_slot=counters.used)  # expert parallel: layout writes them
+    # The dispatch kernels (the single launch dispatches by itself, per expert): O(T*K) by chunks of
+    # pairs, unless overridden; expert parallel groups by owner first (the per-expert kernels).
+    chunked = not ep and ov.get("dispatch_chunked", True)
+    if chunked:
+        kernels = chunked_dispatch(kernels, dparams, K, E, buffers)
+        decisions.append(f"dispatch: O(T*K), one CTA of {CHUNK_THREADS} threads per {CHUNK_PAIRS} pairs; per-chunk "
+                         "histograms, fixed-order sums and match.sync ranks keep (token, slot) order (the per-expert "
+                         "kernels' positions, bit for bit; 106 -> 13 us at E64 T=16384, docs/perf.md)")
+    else:
+        decisions.append(f"dispatch: one CTA of {threads} threads per expert; scan-based stable "
+                         "compaction keeps (token, slot) order, so positions are deterministic")
+    return kernels, dparams, chunked
+
+
+class GemmMaker:
+    """Makes the Plan's grouped GEMM kernels (templates/grouped_gemm_persistent.py.j2): every
+    routed, shared-expert and backward GEMM, in one Plan's context (its target, overrides, row
+    tile, cluster, counters and bounded waits). Each call states its tiling in `decisions`."""
+
+    def __init__(self, spec: MoESpec, target: Target, ov: dict, row_tile: int, cluster_m: int, counters: Counters,
+                 wait_timeout_ns: int, decisions: list):
+        self.spec, self.target, self.ov, self.row_tile, self.cluster_m = spec, target, ov, row_tile, cluster_m
+        self.counters, self.wait_timeout_ns, self.decisions = counters, wait_timeout_ns, decisions
+
+    def __call__(self, name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc,
+                 gather_a=False, routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn="",
+                 copy_rows=None, rows_tile=None, swap=False) -> KernelPlan:
+        """One grouped GEMM. The backward's modes: epilogue "pair" (c = (c0, c1), both products
+        stored), b_major "mn" (B stored [groups, K, N]), split_k (a = (a0, a1) and b = (b0, b1)
+        along K), wgrad_m (weight gradients [groups, wgrad_m, n] contracted over each group's
+        rows; k is unused; gather_mn "a" or "b": that operand's rows gathered from token rows
+        through row_token; copy_rows (source, destination, counter slot): the kernel's idle warps
+        also copy the source's token rows into the destination in dispatch order, see
+        COPY_CLAIM_ROWS); rows_tile: the M tile of a routed GEMM whose launch lays its rows out
+        itself (the small calls' single launch), else row_tile; swap: the wgmma's operands
+        swapped (swap_tiling)."""
+        ov, target, H = self.ov, self.target, self.spec.hidden
+        n_counters = self.counters.n
+        rows_tile = rows_tile or self.row_tile
+        tile_m = WGRAD_TILE_M if wgrad_m else rows_tile  # a weight-gradient tile runs over H or I, not rows
+        tl = choose_gemm_tiling(n, k, epilogue, target, tile_m, gather_a or bool(gather_mn) or bool(copy_rows),
+                                ov.get(f"{name}.tile_n"), ov.get(f"{name}.epi_stages"), swap, ov.get(f"{name}.tile_k"))
+        cs = c if isinstance(c, tuple) else (c,)
+        if wgrad_m:  # A [rows, wgrad_m], B [rows, n]; counts give each group's rows
+            args = [KernelArg("a", a, "bf16", ["T" if gather_mn == "a" else m_sym, wgrad_m])]
+            if gather_mn:
+                args.append(KernelArg("row_token", "row_token", "i32", [m_sym]))
+            args += [KernelArg("b0", b[0], "bf16", ["T" if gather_mn == "b" else m_sym, n]),
+                     KernelArg("tile_expert", tiles_tensor, "i32", [groups]),
+                     KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
+                     KernelArg("c", cs[0], "bf16", [groups, wgrad_m, n])]
+        else:
+            a_k = k // 2 if split_k else k
+            if gather_a:  # A rows gathered from the token rows through row_token
+                args = [KernelArg("a", a, "bf16", ["T", k]), KernelArg("row_token", "row_token", "i32", [m_sym])]
+            else:
+                args = [KernelArg("a", a[0] if split_k else a, "bf16", [m_sym, a_k])]
+                if split_k:
+                    args.append(KernelArg("a1", a[1], "bf16", [m_sym, a_k]))
+                if routed:
+                    args.append(KernelArg("row_token", "row_token", "i32", [m_sym]))
+            bshape = [groups, n, a_k] if b_major == "k" else [groups, a_k, n]
+            args.append(KernelArg("b0", b[0], "bf16", bshape))
+            if epilogue in ("swiglu", "swiglu_save", "pair") or split_k:
+                args.append(KernelArg("b1", b[1], "bf16", bshape))
+            args += [KernelArg("tile_expert", tiles_tensor, "i32", [tiles_sym]),
+                     KernelArg("tile_counter", "tile_counters", "i32", [n_counters])]
+            args += [KernelArg(f"c{i + 1 if i else ''}", t, "bf16", [m_sym, n]) for i, t in enumerate(cs)]
+            if copy_rows:
+                args += [KernelArg("copy_src", copy_rows[0], "bf16", ["T", H]),
+                         KernelArg("copy_dst", copy_rows[1], "bf16", [m_sym, H])]
+        raster = ov.get(f"{name}.raster", "m")
+        # Gathered A stages a producer warp keeps in flight before releasing the oldest.
+        # The consumers release a stage only after the next one is full (one wgmma batch
+        # stays in flight), so the producer may hold at most stages - 2 un-released
+        # stages; one more and producer and consumers wait on each other forever.
+        # Measured on H200 (E64 K8 H2048 I1024, T=16384): lag 2 was no faster than lag 1
+        # (3.14 vs 3.12 ms), so the default keeps the shallower, simpler one; swapped tiles of
+        # few token rows keep SWAP_GATHER_LAG (see there).
+        default_lag = SWAP_GATHER_LAG if swap and rows_tile <= SWAP_GATHER_LAG_MAX_ROWS else 1
+        gather_lag = ov.get(f"{name}.gather_lag", min(default_lag, max(tl["stages"] - 2, 1)))
+        if not 1 <= gather_lag <= tl["stages"] - 2 and not ov.get("debug_unchecked"):
+            raise PlanError(f"{name}: gather lag {gather_lag} must be in [1, stages - 2] (deadlock otherwise)")
+        # Which rows of an M tile hold tokens. A consumer warpgroup whose whole slice is
+        # padding skips its wgmma (the tensor cores then serve the other one alone): the
+        # routed GEMMs read it from row_token (-1 marks padding), the shared expert's
+        # tiles are full up to the last one, whose rows end at T. A weight-gradient tile
+        # contracts its group's rows (counts) and is never part padding.
+        valid_rows = "counts" if wgrad_m else "row_token" if routed else "m_rows"
+        cluster_m = self.cluster_m if routed and clustered else 1
+        params = dict(tl, n_size=n, k_size=k, groups=groups, epilogue=epilogue, gather_a=gather_a, raster=raster,
+                      cluster_m=cluster_m, valid_rows=valid_rows, sched_slot=self.counters.gemm_slot(name),
+                      sched_stages=SCHED_STAGES, status_slot=self.counters.status, gather_lag=gather_lag, vec=VEC,
+                      wait_timeout_ns=self.wait_timeout_ns, status_poll_ns=STATUS_POLL_NS, b_major=b_major,
+                      split_k=split_k, wgrad=bool(wgrad_m), m_size=wgrad_m, gather_mn=gather_mn,
+                      row_align=rows_tile * self.cluster_m,
+                      **(dict(copy_rows=True, copy_slot=copy_rows[2], copy_cols=H, copy_claim_rows=COPY_CLAIM_ROWS,
+                              copy_batch_producer=COPY_BATCH_PRODUCER, copy_batch_consumer=COPY_BATCH_CONSUMER)
+                         if copy_rows else {}),
+                      class_name=class_name(name), name=name, doc=doc)
+        smem = params.pop("smem_bytes")
+        self.decisions.append(
+            f"{name}: persistent over min({tl['sms']} SMs, tiles), tile {tl['tile_m']}x{tl['tile_n']}x{tl['tile_k']}, "
+            f"{tl['stages']} stages ({smem // 1024} KiB smem), 1 producer + {tl['mma_warpgroups']} MMA warpgroups; "
+            f"tiles claimed from tile_counters[{params['sched_slot']}] in {raster}-major order, so the tiles in "
+            "flight stay together in L2 even when some take less time (half-empty ones)"
+        )
+        return KernelPlan(name, stage, name, "grouped_gemm_persistent.py.j2", "main", params, args,
+                          grid=f"(min({tl['sms']}, {tiles_sym}*ceil({n}/{tl['tile_n']})),)", block=tl["threads"],
+                          warp_roles=[f"warpgroup 0: TMA producer (warp 0), {tl['producer_regs']} registers",
+                                      f"warpgroups 1..{tl['mma_warpgroups']}: wgmma consumers + epilogue "
+                                      f"(stmatrix + TMA store), {tl['consumer_regs']} registers"],
+                          smem_bytes=smem)
+
+
+def single_launches(gemm: GemmMaker, gateup: KernelPlan, spec: MoESpec, target: Target, row_tile: int, paths: Paths,
+                    counters: Counters, dparams: dict, ov: dict, kernels: list, buffers: list, steps: dict,
+                    decisions: list, m_tiles, rows) -> tuple[list, sympy.Expr]:
+    """The single launch (one GPU): gemm_fused, which may dispatch itself, its routing twin,
+    and its bands of swapped tiles by T (launch_bands). Returns the bands and the routed row
+    count every row buffer is sized for."""
+    E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
+    fused_slot = counters.slot("gemm_fused")
+    kernels.append(fused_gemm(gateup, H, I, E, counters.used, target, S, counters.shared, fused_slot,
+                              counters.done, K, bool(ov.get("debug_break_dependency"))))
+    lag = ov.get("gemm_fused.wave_lag", 0)
+    if lag and S:
+        raise PlanError("gemm_fused.wave_lag: the wavefront tile order is not generated with a shared expert")
+    kernels[-1].params["wave_lag"] = lag
+    buffers.append(Buffer("h_ready", "i32", [_expr(m_tiles)]))
+    in_launch = dispatch_in_launch(kernels[-1], dparams, ov, buffers)
+    steps["forward_fused" if paths.kind == "by_tokens" else "forward"] = \
+        ["gemm_fused"] if in_launch else ["dispatch_count", "dispatch_scatter", "gemm_fused"]
+    if in_launch:
+        chunk = kernels[-1].params["dispatch"].get("chunk")
+        how = (f"each CTA counts, then places, every grid-th chunk of {chunk} pairs (the chunked dispatch "
+               "kernels' code, templates/dispatch_chunks.py.j2: one step a chunk, where a CTA placing an expert "
+               "scans every pair; every dispatch's bits)" if chunk else
+               "each CTA counts, then places, every grid-th expert's pairs (the per-expert dispatch kernels' "
+               "code; every dispatch's bits)")
+        decisions.append(
+            f"gemm_fused also dispatches: {how} before it takes tiles; two launch-wide counters order the phases "
+            "(bounded waits; the last CTA past them zeroes them for the next call), so the forward is one launch")
+        kernels.append(routed_launch(kernels[-1], spec))
+        steps["forward_routed"] = ["gemm_fused_routed"]
+        decisions.append(
+            "gemm_fused_routed: the same launch, routing first (router logits -> softmax -> top-k, the route "
+            "kernel's code and bits, one token per warp; a third counter says when every CTA has routed): "
+            "mokgen.moe_routed runs it for calls the fused launch serves")
+    bands, why_bands = launch_bands(spec, row_tile, target.sms, in_launch and paths.kind == "by_tokens", ov)
+    if bands:
+        rows = swapped_bands(gemm, bands, spec, counters, dparams, ov, kernels, buffers, steps, decisions, row_tile,
+                             rows)
+    if why_bands:
+        decisions.append(why_bands)
+    decisions.append(
+        f"gemm_fused: gate/up and down in one persistent launch; tiles claimed in order (all gate/up "
+        f"tiles, then all down tiles); a down tile waits until h_ready[m] counts the "
+        f"{I // gateup.params['tile_n']} gate/up tiles of its M tile (release/acquire at GPU scope, "
+        "bounded spin), so there is no grid-wide barrier and no deadlock: a down tile only waits for tiles "
+        "claimed before it")
+    if S:
+        decisions.append(
+            f"gemm_fused also runs the shared expert: its gate/up tiles come after the routed gate/up tiles "
+            f"(they fill the SMs while the last routed gate/up tiles finish), its down tiles last, after "
+            f"tile_counters[{counters.shared}] counts every shared gate/up tile")
+    return bands, rows
+
+
+def swapped_bands(gemm: GemmMaker, bands: list, spec: MoESpec, counters: Counters, dparams: dict, ov: dict,
+                  kernels: list, buffers: list, steps: dict, decisions: list, row_tile: int, rows) -> sympy.Expr:
+    """The single launch once per band of swapped tiles (and its routing twin): the same tasks,
+    the token rows the wgmma's N. Returns the routed row count the row buffers now hold."""
+    E, K, H, I = spec.local_experts, spec.topk, spec.hidden, spec.intermediate
+    swapped = sorted({n for _, n in bands if n})
+    # One tile table and one set of gate/up counts for all of them (a call runs one),
+    # sized for the smallest tile (the most tiles); the row buffers for the per-GEMM
+    # path's tiles (the training forward and the backward take it at every T) or the
+    # band's that serves T, whichever lays out more rows (not the largest band's at
+    # every T: a small call's workspace stays small enough to keep, KEEP_WORKSPACE_BYTES).
+    m_tiles_w = sympy.ceiling(T * K / swapped[0]) + E
+    buffers += [Buffer("tile_expert_w", "i32", [_expr(m_tiles_w)]),
+                Buffer("h_ready_w", "i32", [_expr(m_tiles_w)])]
+    rows_w = sympy.Max(rows, sympy.Piecewise(*(((sympy.ceiling(T * K / n) + E) * n if n else rows,
+                                                sympy.Le(T, top)) for top, n in bands), (rows, True)))
+    for b in buffers:
+        if b.name in ("row_token", "h", "y"):
+            b.shape[0] = _expr(rows_w)
+        if b.name == "tile_expert":
+            # The per-GEMM tile table covers every row of these buffers: the kernels that
+            # walk all rows of row_token (the SwiGLU backward, the x-row copy) read
+            # tile_expert[r // row_tile] first, and dispatch writes -1 past the used tiles.
+            b.shape[0] = _expr(sympy.ceiling(rows_w / row_tile))
+    small_t = SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk
+    for n in swapped:
+        name = f"gemm_fused_n{n}"
+        gateup_w = gemm(name, "gemm", "x", ("w_gate", "w_up"), "h", I, H, "swiglu", "tile_expert",
+                        "M", "MT", E, "", gather_a=True, rows_tile=n, swap=True)
+        decisions.pop()  # (its tiling is stated with the launch below)
+        band = fused_gemm(gateup_w, H, I, E, counters.used, gemm.target, 0, 0, counters.slot("gemm_fused"),
+                          counters.done, K, name=name)
+        band.params.update(wave_lag=0, doc="Routed gate/up (SwiGLU) and down projections in one launch, "
+                                           f"swapped tiles of {n} token rows.")
+        for a in band.args:
+            a.tensor = {"tile_expert": "tile_expert_w", "h_ready": "h_ready_w"}.get(a.tensor, a.tensor)
+        # (launch_sync shared). Calls up to small_t tokens: each CTA counts every expert
+        # itself, 3.7 against 5.2 us of dispatch phase at E64 T=64, 1.01x the call there
+        # and 1.05x at E40; larger ones by chunks of pairs (docs/perf.md).
+        top = max(t for t, m in bands if m == n)
+        dispatch_in_launch(band, dict(dparams, tile_m=n), ov, [], local_count=top <= small_t)
+        kernels.append(band)
+        steps[f"forward_n{n}"] = [name]
+        kernels.append(routed_launch(band, spec))
+        steps[f"forward_routed_n{n}"] = [f"{name}_routed"]
+        bp = band.params
+        decisions.append(
+            f"{name} (and {name}_routed, its routing twin): the single launch (it dispatches, runs every "
+            f"gate/up and down tile and combines: the same bits) with swapped {bp['tile_m']}x{bp['tile_n']}"
+            f"x{bp['tile_k']} tiles: the weights' {bp['tile_n']} rows the wgmma's M (1 producer + "
+            f"{bp['mma_warpgroups']} MMA warpgroups of 64), the {n} token rows its N; {bp['stages']} stages, "
+            f"{bp['gather_lag']} gathered in flight per producer warp; "
+            + ("each CTA counts every expert's pairs itself" if bp["dispatch"]["local_count"] else
+               "dispatch by chunks of pairs"))
+    return rows_w
+
+
+def combine_kernel(spec: MoESpec, target: Target, d_experts: int) -> tuple[KernelPlan, str]:
+    """The reduce stage: one CTA per token sums its K rows in a fixed order (and the shared
+    expert's row); and that order, stated."""
+    K, H, S, ep = spec.topk, spec.hidden, spec.shared_intermediate, spec.world_size > 1
+    threads = simt_threads(H, target)
+    args = [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("weights", "topk_weights", "f32", ["T", K]),
+            KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("y", "ep_ret" if ep else "y", "bf16", ["M", H])]
+    if S:
+        args.append(KernelArg("ys", "ys", "bf16", ["T", H]))
+    args.append(KernelArg("out", "out", "bf16", ["T", H]))
+    reduction_order = "out[t] = bf16(sum over k = 0..K-1 in order of w[t,k]*y[t,k] in fp32" + (
+        ", then + shared(x)[t])" if S else ")")
+    return KernelPlan(
+        "combine", "reduce", "combine", "combine.py.j2", "main",
+        dict(experts=d_experts, topk=K, hidden=H, threads=threads, vec=VEC, shared=bool(S)),
+        args, grid="(T,)", block=threads, warp_roles=["all warps: one token row, fixed k order"]), reduction_order
+
+
+def launch_policies(kernels: list, spec: MoESpec, target: Target, paths: Paths, counters: Counters, ov: dict,
+                    decisions: list) -> None:
+    """What the single launches do besides their tiles, set on every launch that has them (the
+    bands and the routing twins too): the combine's unroll and early start, the error code's
+    copy by the last CTA, and the swapped tiles' L2 policies and paired weight loads."""
+    for k in kernels:
+        if k.params.get("combine") and "combine_unroll" in ov:
+            k.params = dict(k.params, combine_unroll=ov["combine_unroll"])
+        if k.params.get("combine") and k.params.get("fused") and paths.combine_early:
+            k.params = dict(k.params, combine_early=True, combine_slot=counters.slot("combine_next"),
+                            debug_break_combine=bool(ov.get("debug_break_combine")))
+            k.warp_roles = k.warp_roles + ["a consumer warp with no tile left claims combine tasks, each waiting "
+                                           "for the M tiles of its token's rows"]
+        if k.params.get("fused") and k.params.get("dispatch") and paths.fused_combine and paths.mirror_status:
+            # The single launch is its entry's only kernel: its last CTA mirrors the error code.
+            k.params = dict(k.params, mirror_status=True, finished_slot=counters.slot("launch_done"))
+            k.warp_roles = k.warp_roles + ["thread 0 of the launch's last CTA: a set error code to pinned host memory"]
+            k.args = k.args + [KernelArg("status_host", "status_host", "i32", [1])]
+        if k.params.get("swap") and k.params.get("fused"):
+            # The swapped tiles' L2 policies: weight loads evict-first (SWAP_WEIGHTS_EVICT_FIRST),
+            # the h and y rows' TMA loads and stores evict-last (SWAP_ROWS_EVICT_LAST).
+            if ov.get("weights_evict_first", SWAP_WEIGHTS_EVICT_FIRST):
+                k.params = dict(k.params, weights_evict_first=True, weight_l2_policy=L2_EVICT_FIRST)
+            if ov.get("rows_evict_last", SWAP_ROWS_EVICT_LAST):
+                k.params = dict(k.params, rows_evict_last=True, rows_l2_policy=L2_EVICT_LAST)
+            pairs = ov.get("weight_pairs")
+            if pairs is None:  # (the default: where they were measured to pay)
+                pairs = SWAP_WEIGHT_PAIRS and k.params["tile_m"] <= SWAP_WEIGHT_PAIRS_MAX_ROWS \
+                    and not weight_starved(spec, target.sms)
+            if pairs and pairs_fit(k.params):
+                k.params = dict(k.params, weight_pairs=True)
+    for param, what in (("weights_evict_first", "weight loads evict-first in L2 (an expert's rows fit one tile, so "
+                                                "each weight byte is read once; x, h and y keep their lines)"),
+                        ("rows_evict_last", "h and y rows evict-last in L2 (the down tiles read h again, the "
+                                            "combine y)"),
+                        ("weight_pairs", "weight loads of two 64-wide K blocks issued together (each weight row "
+                                         "read 256 bytes at a time)"),
+                        ("mirror_status", "the launch's last CTA copies a set error code to the runtime's pinned "
+                                          "host word itself (no status_mirror launch behind the call)")):
+        marked = [k.name for k in kernels if k.params.get(param) and not k.name.endswith("_routed")]
+        if marked:
+            decisions.append(f"{', '.join(marked)} (and their routing twins): {what}")
+
+
+def profiling(kernels: list, steps: dict, buffers: list, spec: MoESpec, target: Target, m_tiles, row_tile: int,
+              chunked: bool, ov: dict, decisions: list) -> None:
+    """Every template reads the `profile` flag; in a profiling build (override profile) the
+    forward paths' kernels (the per-GEMM path, the single launch and its bands by T; not the
+    routing twins, which run the same tiles) record each task's SM and times."""
+    profile = bool(ov.get("profile"))
+    profiled = {n for entry in steps if entry == "forward" or entry == "forward_fused"
+                or re.fullmatch(r"forward_n\d+", entry) for n in steps[entry]}
+    for k in kernels:
+        k.params = dict(k.params, profile=profile and k.name in profiled)
+    if not profile:
+        return
+    E, K = spec.local_experts, spec.topk
+    s_tiles = sympy.ceiling(T / row_tile)
+    d_tasks = sympy.ceiling(T * K / CHUNK_PAIRS) if chunked else sympy.Integer(E)  # one per dispatch CTA
+    tasks = {"dispatch_count": d_tasks, "dispatch_scatter": d_tasks, "combine": T}
+    for k in kernels:
+        if k.template == "grouped_gemm_persistent.py.j2":
+            m = s_tiles if k.name.startswith("shared") else \
+                sympy.ceiling(T * K / k.params["tile_m"]) + E if k.params.get("swap") else m_tiles
+            tasks[k.name] = m * (-(-k.params["n_size"] // k.params["tile_n"]) + k.params.get("n2_tiles", 0))
+            if k.params.get("s_size"):  # the fused launch's shared-expert tiles
+                tasks[k.name] += s_tiles * (k.params["s_size"] // k.params["tile_n"] + k.params["n2_tiles"])
+            if k.params.get("fused") and k.params.get("combine"):  # each CTA's dispatch and combine phases
+                k.params["prof_cta_rows"] = target.sms  # (rows before the tiles'; the grid is at most SMS)
+                tasks[k.name] += 2 * target.sms
+    add_task_records(kernels, profiled, buffers, tasks)
+    decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA; in a single launch "
+                     "each CTA's dispatch and combine phases too) records its SM and its start and end time "
+                     "(globaltimer) in prof_<kernel>; `mokgen profile` draws them")
 
 
 # Up to this many tokens a call runs the fused launch. Measured crossover on H200
