@@ -49,6 +49,17 @@ def test_anchor_rounds_keep_each_implementations_best_of_either_order():
     assert [r["round"] for r in best[1]["rounds"]] == [0, 1]
 
 
+def test_anchor_compare_says_where_the_baseline_computes_no_reference():
+    """The design's script checks against float64 only up to T*H = 4096*2048; above it the
+    error column says so instead of printing nan."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from anchor_compare import err_text
+    finally:
+        sys.path.pop(0)
+    assert err_text(float("nan")) == "no ref" and err_text(2.87e-3) == "2.9e-03"
+
+
 def test_interleaved_rounds_rotate_which_implementation_goes_first(monkeypatch):
     """At power-capped sizes the first timing of a round gets the coolest GPU: every
     implementation takes that place in turn, and the best round is kept per implementation."""
