@@ -1,7 +1,7 @@
 """Plain-text rendering of a Plan (for `mokgen show`)."""
 from __future__ import annotations
 
-from .schedule.plan import backward_decision
+from .schedule.backward import backward_decision
 
 
 def _table(rows: list[list[str]], head: list[str]) -> list[str]:

@@ -25,7 +25,8 @@ from ..ir.graph import RC as RC_SYM
 from ..ir.graph import C as C_SYM
 from ..ir.graph import T as T_SYM
 from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS, OVERFLOW_KIND
-from ..schedule.plan import BAD_IDS_CODE, EP_SAVED_FOR_BACKWARD, SAVED_FOR_BACKWARD, WAIT_TIMEOUT_MS, backward_decision
+from ..schedule.backward import EP_SAVED_FOR_BACKWARD, SAVED_FOR_BACKWARD, backward_decision
+from ..schedule.plan import BAD_IDS_CODE, WAIT_TIMEOUT_MS
 from .checks import InputError
 from .eager import Layer, Route, needs_grad
 from .library import BoundEntry, Launcher, cuda_stream, on_device, open_library

@@ -26,7 +26,7 @@ host synchronisation and no collective library:
     wait_returns wait until every rank has returned this rank's rows (bounded)
     combine      out[t] = sum_k w[t,k] * ep_ret[pos[t,k]] in k order: bitwise deterministic
 
-The backward (exchange_kernels(backward=True), plan.ep_backward_steps) runs the same protocol
+The backward (exchange_kernels(backward=True), backward.ep_backward_steps) runs the same protocol
 with a new epoch: each pair's x row, dout row and weight out, the recompute GEMM waiting per
 M tile beside the send, each row's input gradient and d_topk_weights entry back beside the
 weight-gradient GEMMs.
@@ -44,7 +44,7 @@ import sympy
 
 from ..ir import MoESpec
 from ..ir.graph import RC, C, T
-from .plan import VEC, Buffer, KernelArg, KernelPlan, PlanError, _expr
+from .records import VEC, Buffer, KernelArg, KernelPlan, PlanError, _expr
 from .target import Target
 
 # The symmetric regions (one symmetric allocation each); ep_peers[r, w] is region r's
