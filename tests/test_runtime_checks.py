@@ -374,7 +374,7 @@ def test_calls_inside_the_custom_ops_keep_nothing_and_own_their_state_buffers(mo
     mode="reduce-overhead" a graph's first calls allocate from a CUDA-graph pool that torch
     resets) a call's buffers and its launches' state buffers are its own: nothing it allocates
     outlives it in the variant, and what the eager calls keep is left as it was."""
-    from mokgen.runtime import variant as V
+    from mokgen.runtime import ops as O
 
     v = _workspace_variant(monkeypatch)
     cpu = torch.device("cpu")
@@ -383,7 +383,7 @@ def test_calls_inside_the_custom_ops_keep_nothing_and_own_their_state_buffers(mo
     again = v._workspace(5, cpu, "fwd", keep=True)
     assert again["rows"] is first["rows"] and again["sync"] is first["sync"]
     kept, state = dict(v._kept), dict(v._state)
-    with V.per_call_memory():
+    with O.per_call_memory():
         own = v._workspace(5, cpu, "fwd", keep=True)
         other_t = v._workspace(3, cpu, "fwd", keep=True)
     assert own["rows"] is not first["rows"] and own["sync"] is not first["sync"]
@@ -391,7 +391,7 @@ def test_calls_inside_the_custom_ops_keep_nothing_and_own_their_state_buffers(mo
     assert other_t["rows"].shape == (6,)
     assert v._kept == kept and v._state == state
     with pytest.raises(RuntimeError):  # (the mode ends with its block, also on an error)
-        with V.per_call_memory():
+        with O.per_call_memory():
             raise RuntimeError
     assert v._workspace(5, cpu, "fwd", keep=True)["rows"] is first["rows"]
 
@@ -399,13 +399,14 @@ def test_calls_inside_the_custom_ops_keep_nothing_and_own_their_state_buffers(mo
 def test_every_custom_op_runs_its_variant_call_with_per_call_memory(monkeypatch):
     """The custom ops' implementations (what compiled graphs call) run the variant's entry
     points inside per_call_memory; the eager binding's calls do not."""
+    from mokgen.runtime import ops as O
     from mokgen.runtime import variant as V
 
     seen = {}
 
     def entry(name, result):
         def call(*args, **kwargs):
-            seen[name] = V._PER_CALL_MEMORY.get()
+            seen[name] = O.PER_CALL_MEMORY.get()
             return result()
         return call
 
@@ -416,7 +417,7 @@ def test_every_custom_op_runs_its_variant_call_with_per_call_memory(monkeypatch)
     v.forward_train = entry("forward_train", lambda: tuple(x.clone() for _ in range(9)))
     v.backward = entry("backward", lambda: tuple(x.clone() for _ in range(5)) + (None,) * 3)
     v.forward_routed = entry("forward_routed", lambda: (x.clone(), x.clone(), x.clone()))
-    ops = V._register_ops(v)
+    ops = O.register_ops(v)
     ids, w = torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     ops.forward(x, ids, w, x, x, x)
     ops.forward_train(x, ids, w, x, x, x)
@@ -425,7 +426,7 @@ def test_every_custom_op_runs_its_variant_call_with_per_call_memory(monkeypatch)
     assert seen == dict(forward=True, forward_train=True, backward=True, forward_routed=True)
     seen.clear()
     v.forward(x)
-    assert seen == dict(forward=False) and V._PER_CALL_MEMORY.get() is False
+    assert seen == dict(forward=False) and O.PER_CALL_MEMORY.get() is False
 
 
 def test_what_a_training_forward_hands_on_is_carved_from_one_allocation(monkeypatch):
@@ -433,6 +434,7 @@ def test_what_a_training_forward_hands_on_is_carved_from_one_allocation(monkeypa
     views of one allocation, each starting at a multiple of CARVE_ALIGN bytes, apart and of
     their own dtype and shape; inside a custom op (outputs may not alias) each is its own
     allocation; in poison mode each is filled."""
+    from mokgen.runtime import ops as O
     from mokgen.runtime import variant as V
 
     v = _workspace_variant(monkeypatch)
@@ -450,7 +452,7 @@ def test_what_a_training_forward_hands_on_is_carved_from_one_allocation(monkeypa
     assert all(n not in kept for _, kept, *_ in v._kept.values() for n in ("ga", "pos"))
     again = v._workspace(5, cpu, "fwd", keep=True, fresh=("ga", "pos"))
     assert again["rows"] is ws["rows"] and again["ga"].data_ptr() != ga.data_ptr()
-    with V.per_call_memory():
+    with O.per_call_memory():
         own = v._workspace(5, cpu, "fwd", keep=True, fresh=("ga", "pos"))
     assert own["ga"].untyped_storage().data_ptr() != own["pos"].untyped_storage().data_ptr()
     v.poison = True

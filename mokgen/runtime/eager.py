@@ -1,7 +1,7 @@
 """The layer and the route under autograd in eager mode: plain autograd Functions over a
 variant's entry points.
 
-torch.compile needs the torch.library custom ops of variant._register_ops (their schemas
+torch.compile needs the torch.library custom ops of ops.register_ops (their schemas
 and fake implementations let it trace the layer); an eager call needs neither. Through the
 custom op, a call pays the op's dispatch (schema binding, the autograd wrapper, the
 fake-implementation checks) on the host each time, forward and backward; a small training
