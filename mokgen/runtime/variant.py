@@ -1,4 +1,5 @@
-"""A built variant as torch ops: the Plan's steps run through the compiled kernels.
+"""A built variant: the Plan's steps run through the compiled kernels (its torch ops over
+these entries: ops.py).
 
 The runtime interprets the Plan: workspace buffers are allocated from their
 symbolic shapes at the call's T, and each entry point (forward, route) launches
