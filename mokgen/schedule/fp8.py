@@ -31,11 +31,14 @@ backward_fp8_saved reads them) and the experts' quantisation (quantize_experts):
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from .. import __version__
 from ..ir import MoESpec
 from ..ir.spec import E4M3_MAX, FP8_BLOCK, FP8_INTERLEAVE
+from .plan import make_plan, mirror_status_by_last_kernels
+from .records import PLAN_FORMAT, Buffer, KernelArg, KernelPlan, Plan, PlanError
 from .target import Target
 
 FP8_TILE_M = 128  # two consumer warpgroups of 64 rows
@@ -121,8 +124,6 @@ def half_tail(name: str, tiles: int, overrides: dict) -> bool:
 
 def row_token_arg(tail: bool) -> list:
     """A half_tail GEMM's last argument: which rows hold tokens."""
-    from .plan import KernelArg  # (plan imports this module)
-
     return [KernelArg("row_token", "row_token", "i32", ["M"])] if tail else []
 
 
@@ -166,8 +167,6 @@ def cluster_n(name: str, units_n: int, overrides: dict) -> tuple[int, str]:
 
 
 def raise_plan_error(message: str):
-    from .plan import PlanError
-
     raise PlanError(message)
 
 
@@ -186,9 +185,86 @@ def k_unroll(name: str, k_blocks: int, passes: int, overrides: dict, wide: bool 
                f"{FP8_UNROLLED_K_BLOCKS}: unrolled, the code outgrows the instruction cache)")
 
 
-def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
-    from .plan import PLAN_FORMAT, KernelArg, KernelPlan, Plan, PlanError
+def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None) -> Plan:
+    """The Plan of an fp8 spec: the bf16 twin's dispatch and combines (rows padded to the FP8 M
+    tile) around the FP8 kernels of the module docstring, each also an entry point of its own,
+    and the entries that chain them (fp8_steps)."""
+    overrides = check_fp8_spec(spec, overrides)
+    E, H, I = spec.experts, spec.hidden, spec.intermediate
+    # The forward around them (below): the bf16 layer's dispatch (rows padded to the FP8 M tile) and
+    # combine, from the bf16 twin's Plan on the per-GEMM path, and the FP8 row buffers.
+    twin = make_plan(dataclasses.replace(spec, dtype="bf16"), target,
+                     {"row_tile": FP8_TILE_M, "fuse_gemms": False,
+                      **{k: v for k, v in overrides.items() if k == "wait_timeout_ms"}})
+    fp8 = FP8Kernels(spec, target, overrides, twin)
+    gateup_shape = fp8.gateup_shape()
+    target.check_register_split("FP8 GEMMs", FP8_PRODUCER_REGS, FP8_WG_THREADS, FP8_CONSUMER_REGS,
+                                FP8_WG_THREADS * FP8_MMA_WARPGROUPS)
+    down = fp8.blockwise_gemm("gemm_down_fp8", "GemmDownFP8", "gemm_down",
+                              "FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
+                              "h_q", "w_down_q", "y", H, I)
+    # The backward's data gradients: the gate/up products recomputed, and the same GEMM over
+    # the transposed weight copies.
+    recompute = fp8.blockwise_gemm("bwd_recompute_fp8", "RecomputeFP8", "gemm_gateup",
+                                   "FP8 recompute of the gate/up products for the backward: a13 = x @ [w_gate; "
+                                   "w_up]^T per expert (interleaved per 64 columns), blockwise scaled.",
+                                   "x_rows_q", "w13_q", "a13", 2 * I, H)
+    dgrad_down = fp8.blockwise_gemm("bwd_dgrad_down_fp8", "DgradDownFP8", "gemm_down",
+                                    "FP8 dgrad of the down projection: dh = dy @ w_down per expert (B = w_down^T), "
+                                    "blockwise scaled.", "dy_q", "w_down_t_q", "dh", I, H)
+    dgrad_gateup = fp8.blockwise_gemm("bwd_dgrad_gateup_fp8", "DgradGateUpFP8", "gemm_gateup",
+                                      "FP8 dgrad of the gate/up projection: dxs = [da | db] @ [w_gate; w_up] per "
+                                      "expert (B = their interleaved transposed copy), blockwise scaled.",
+                                      "dab_q", "w13_t_q", "dxs", H, 2 * I)
+    gateup, gateup_train = fp8.gateup_gemms(*gateup_shape[:3])
+    quantize, quantize_dout = quantize_rows_kernels(spec)
+    swiglu, swiglu_w = swiglu_backward_kernels(spec)
+    wgrad_down = fp8.wgrad_gemm("wgrad_down_fp8", "WgradDownFP8",
+                                "FP8 weight gradient of the down projection: d_w_down[e] = dy_e^T @ (w h)_e over the "
+                                "expert's rows.", "doutt", "hwt", "d_w_down", H, I)
+    wgrad_gateup = fp8.wgrad_gemm("wgrad_gateup_fp8", "WgradGateUpFP8",
+                                  "FP8 weight gradient of the gate/up projection: [d_w_gate; d_w_up][e] = [da | db]_e^T "
+                                  "@ x_e over the expert's rows (computed interleaved per 64, written apart).", "dabt",
+                                  "xt", ("d_w_gate", "d_w_up"), 2 * I, H)
+    # The experts' weights from bf16 masters, as mokgen.fp8.quantize_experts (the same bits), on
+    # the GPU: mokgen.moe_fp8_train quantises them on every call.
+    quantize_w13 = quantize_weights(E, "quantize_w13_fp8", "QuantizeW13",
+                                    "w_gate and w_up, interleaved, in e4m3 blocks (and transposed).",
+                                    ("w_gate", "w_up"), "w13", 2 * I, H, FP8_INTERLEAVE)
+    quantize_w_down = quantize_weights(E, "quantize_w_down_fp8", "QuantizeWDown", "w_down in e4m3 blocks (and "
+                                       "transposed).", ("w_down", "w_down"), "w_down", H, I, 0)
+    quantize_x_t = quantize_cols("quantize_x_t_fp8", "x", H, "xt")
+    quantize_dout_t = quantize_cols("quantize_dout_t_fp8", "dout", H, "doutt")
+    quantize_hw_t = quantize_cols("quantize_hw_t_fp8", "hw_rows", I, "hwt", gather=False)
+    quantize_dab_t = quantize_cols("quantize_dab_t_fp8", "dab_rows", 2 * I, "dabt", gather=False)
+    kept = [k for k in twin.kernels if k.name in ("dispatch_count", "dispatch_scatter", "combine", "bwd_combine")]
+    buffers = fp8_buffers(spec, twin, kept)
+    kernels = kept[:2] + [quantize, gateup, down] + kept[2:] + [
+        quantize_dout, recompute, dgrad_down, swiglu, dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down,
+        wgrad_gateup, swiglu_w, quantize_hw_t, quantize_dab_t, quantize_w13, quantize_w_down, gateup_train,
+        twin.kernel("status_mirror")]
+    steps = fp8_steps([quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu, dgrad_gateup,
+                       quantize_x_t, quantize_dout_t, wgrad_down, wgrad_gateup])
+    # The combines copy the call's error code themselves (FP8's GEMMs leave it to status_mirror).
+    kernels, mirror_why = mirror_status_by_last_kernels(kernels, steps, {}, [], fp8.n_counters,
+                                                        twin.kernel("status_mirror").params["status_slot"], None)
+    return Plan(
+        format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
+        target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
+        buffers=buffers,
+        kernels=kernels,
+        steps=steps,
+        flops=twin.flops,
+        decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
+                   "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
+                   "combine; each FP8 kernel is also an entry point of its own for its golden test (docs/fp8.md)",
+                   *gateup_shape[3], *fp8.why, *mirror_why]
+        + ([f"overrides {json.dumps(overrides, sort_keys=True)}"] if overrides else []),
+        overrides=overrides)
 
+
+def check_fp8_spec(spec: MoESpec, overrides: dict | None) -> dict:
+    """What the FP8 layer generates, and the overrides it takes (a copy of them)."""
     if spec.world_size > 1:
         raise PlanError(f"{spec.variant}: an FP8 expert-parallel megakernel over {spec.topology} is not generated; "
                         f"the FP8 layer spans {spec.world_size} GPUs one per node, tokens through NCCL: build it with "
@@ -203,47 +279,50 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     for key in overrides:
         if not isinstance(overrides[key], int) or isinstance(overrides[key], bool) or overrides[key] < 0:
             raise PlanError(f"{spec.variant}: override {key} must be an integer >= 0, got {overrides[key]!r}")
-    E, H, I = spec.experts, spec.hidden, spec.intermediate
-    # The forward around them (below): the bf16 layer's dispatch (rows padded to the FP8 M tile) and
-    # combine, from the bf16 twin's Plan on the per-GEMM path, and the FP8 row buffers.
-    import dataclasses
+    return overrides
 
-    from .plan import Buffer, make_plan, mirror_status_by_last_kernels
 
-    twin = make_plan(dataclasses.replace(spec, dtype="bf16"), target,
-                     {"row_tile": FP8_TILE_M, "fuse_gemms": False,
-                      **{k: v for k, v in overrides.items() if k == "wait_timeout_ms"}})
-    # Each GEMM claims its units from the twin GEMM's slot of tile_counters (which the twin's
-    # dispatch zeroes every call).
-    twin_gemms = {k.name: k for k in twin.kernels}
-    n_counters = int(next(b for b in twin.buffers if b.name == "tile_counters").shape[0])
-    twin_of = {"gemm_gateup_fp8": "gemm_gateup", "gemm_down_fp8": "gemm_down", "bwd_recompute_fp8": "bwd_recompute",
-               "bwd_dgrad_down_fp8": "bwd_dgrad_down", "bwd_dgrad_gateup_fp8": "bwd_dgrad_gateup",
-               "wgrad_down_fp8": "wgrad_down", "wgrad_gateup_fp8": "wgrad_gate"}
-    # Each FP8 GEMM takes its bf16 twin's unit counter and the launch's error code (every wait is
-    # bounded by the same timeout: templates/bounded_wait.py.j2)
-    sched = {name: dict(sched_slot=twin_gemms[bf16].params["sched_slot"], sched_stages=FP8_SCHED_STAGES,
-                        **{key: twin_gemms[bf16].params[key] for key in ("status_slot", "wait_timeout_ns", "status_poll_ns")})
-             for name, bf16 in twin_of.items()}
-    gateup_cluster, why_gateup_cluster = cluster_n("gemm_gateup_fp8", I // FP8_BLOCK, overrides)
-    gateup_b_tiles, why_gateup_tile = b_tiles("gemm_gateup_fp8", 2 * I, gateup_cluster, overrides)
-    gateup_unroll, why_gateup = k_unroll("gemm_gateup_fp8", H // FP8_BLOCK, 2, overrides, wide=gateup_b_tiles > 1)
-    gateup_stages = FP8_AB_SMEM // ((FP8_TILE_M + gateup_b_tiles * FP8_TILE_N) * FP8_BLOCK)
-    threads = FP8_WG_THREADS * (1 + FP8_MMA_WARPGROUPS)  # a producer warpgroup, the consumers
-    target.check_register_split("FP8 GEMMs", FP8_PRODUCER_REGS, FP8_WG_THREADS, FP8_CONSUMER_REGS,
-                                FP8_WG_THREADS * FP8_MMA_WARPGROUPS)
-    stage_bytes = (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK  # e4m3 A and B tiles of one K block
-    # gate/up keeps the first pass's h (fp32) per consumer thread until the second pass
-    stash_bytes = 4 * FP8_TILE_M * FP8_TILE_N // 2
-    why = []
+# Each FP8 GEMM claims its units from its bf16 twin GEMM's slot of tile_counters (which the
+# twin's dispatch zeroes every call).
+TWIN_OF = {"gemm_gateup_fp8": "gemm_gateup", "gemm_down_fp8": "gemm_down", "bwd_recompute_fp8": "bwd_recompute",
+           "bwd_dgrad_down_fp8": "bwd_dgrad_down", "bwd_dgrad_gateup_fp8": "bwd_dgrad_gateup",
+           "wgrad_down_fp8": "wgrad_down", "wgrad_gateup_fp8": "wgrad_gate"}
 
-    def blockwise_gemm(name, class_name, stage, doc, a, b, c, n_size, k_size):
+
+class FP8Kernels:
+    """Makes the FP8 GEMMs of one Plan (templates/grouped_gemm_fp8.py.j2 and
+    grouped_gemm_fp8_wgrad.py.j2): their tiles, K loops and clusters (from the overrides), the
+    bf16 twin's unit counters and bounded waits; `why` collects the blockwise GEMMs' decisions."""
+
+    def __init__(self, spec: MoESpec, target: Target, overrides: dict, twin: Plan):
+        self.spec, self.target, self.overrides = spec, target, overrides
+        self.n_counters = int(next(b for b in twin.buffers if b.name == "tile_counters").shape[0])
+        # Each FP8 GEMM takes its bf16 twin's unit counter and the launch's error code (every wait is
+        # bounded by the same timeout: templates/bounded_wait.py.j2)
+        self.sched = {name: dict(sched_slot=twin.kernel(bf16).params["sched_slot"], sched_stages=FP8_SCHED_STAGES,
+                                 **{key: twin.kernel(bf16).params[key]
+                                    for key in ("status_slot", "wait_timeout_ns", "status_poll_ns")})
+                      for name, bf16 in TWIN_OF.items()}
+        self.threads = FP8_WG_THREADS * (1 + FP8_MMA_WARPGROUPS)  # a producer warpgroup, the consumers
+        self.why: list[str] = []
+
+    def gateup_shape(self) -> tuple:
+        """(cluster, B tiles per unit, K unroll, why) of the gate/up GEMM (two passes per unit
+        unless its tiles are wide)."""
+        I, H = self.spec.intermediate, self.spec.hidden
+        cluster, why_cluster = cluster_n("gemm_gateup_fp8", I // FP8_BLOCK, self.overrides)
+        tiles, why_tile = b_tiles("gemm_gateup_fp8", 2 * I, cluster, self.overrides)
+        unroll, why_unroll = k_unroll("gemm_gateup_fp8", H // FP8_BLOCK, 2, self.overrides, wide=tiles > 1)
+        return cluster, tiles, unroll, (why_tile, why_unroll, why_cluster)
+
+    def blockwise_gemm(self, name, class_name, stage, doc, a, b, c, n_size, k_size) -> KernelPlan:
         """C [M, n_size] bf16 = A [M, k_size] (e4m3, 1 x 128 row scales) @ B[e]^T (B [E, n_size,
         k_size] e4m3, 128 x 128 scales) per used M tile of expert e: the template's plain mode."""
+        E, target, overrides, threads = self.spec.experts, self.target, self.overrides, self.threads
         cluster, why_cluster = cluster_n(name, n_size // FP8_TILE_N, overrides)
         tiles, why_tile = b_tiles(name, n_size, cluster, overrides)
         unroll, why_unroll = k_unroll(name, k_size // FP8_BLOCK, tiles, overrides, wide=tiles > 1)
-        why.extend([why_tile, why_unroll, why_cluster])
+        self.why.extend([why_tile, why_unroll, why_cluster])
         stages = FP8_AB_SMEM // ((FP8_TILE_M + tiles * FP8_TILE_N) * FP8_BLOCK)
         tail = half_tail(name, tiles, overrides)
         return KernelPlan(
@@ -253,7 +332,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                         mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages, n_size=n_size, k_size=k_size,
                         groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
                         consumer_regs=FP8_CONSUMER_REGS, k_unroll=unroll, cluster_n=cluster, b_tiles=tiles,
-                        debug_break=bool(overrides.get(f"{name}.debug_break")), half_tail=tail, **sched[name]),
+                        debug_break=bool(overrides.get(f"{name}.debug_break")), half_tail=tail, **self.sched[name]),
             # (scales row-major [M, K/128]: a tensor's dynamic extent may only be its first, as
             # the launch shim passes no strides)
             args=[KernelArg("a", a, "e4m3", ["M", k_size]),
@@ -261,7 +340,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                   KernelArg("b", b, "e4m3", [E, n_size, k_size]),
                   KernelArg("b_scales", f"{b[:-2]}_scales", "f32", [E, n_size // FP8_BLOCK, k_size // FP8_BLOCK]),
                   KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
-                  KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
+                  KernelArg("tile_counter", "tile_counters", "i32", [self.n_counters]),
                   KernelArg("c", c, "bf16", ["M", n_size])] + row_token_arg(tail),
             grid=f"(min({target.sms}, MT * {n_size // (tiles * FP8_TILE_N)}),)", block=threads,
             warp_roles=["warpgroup 0, warp 0: the unit scheduler and TMA producer of the A and B stages",
@@ -269,64 +348,97 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
                         "scales"],
             smem_bytes=stages * (FP8_TILE_M + tiles * FP8_TILE_N) * FP8_BLOCK)
 
-    down = blockwise_gemm("gemm_down_fp8", "GemmDownFP8", "gemm_down",
-                          "FP8 down projection: y = h @ w_down^T per expert, blockwise scaled.",
-                          "h_q", "w_down_q", "y", H, I)
-    # The backward's data gradients: the gate/up products recomputed, and the same GEMM over
-    # the transposed weight copies.
-    recompute = blockwise_gemm("bwd_recompute_fp8", "RecomputeFP8", "gemm_gateup",
-                               "FP8 recompute of the gate/up products for the backward: a13 = x @ [w_gate; w_up]^T "
-                               "per expert (interleaved per 64 columns), blockwise scaled.",
-                               "x_rows_q", "w13_q", "a13", 2 * I, H)
-    dgrad_down = blockwise_gemm("bwd_dgrad_down_fp8", "DgradDownFP8", "gemm_down",
-                                "FP8 dgrad of the down projection: dh = dy @ w_down per expert (B = w_down^T), "
-                                "blockwise scaled.", "dy_q", "w_down_t_q", "dh", I, H)
-    dgrad_gateup = blockwise_gemm("bwd_dgrad_gateup_fp8", "DgradGateUpFP8", "gemm_gateup",
-                                  "FP8 dgrad of the gate/up projection: dxs = [da | db] @ [w_gate; w_up] per "
-                                  "expert (B = their interleaved transposed copy), blockwise scaled.",
-                                  "dab_q", "w13_t_q", "dxs", H, 2 * I)
-    gateup_tail = half_tail("gemm_gateup_fp8", gateup_b_tiles, overrides)
-    gateup_args = [KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
-                   KernelArg("a_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK]),
-                   KernelArg("b", "w13_q", "e4m3", [E, 2 * I, H]),
-                   KernelArg("b_scales", "w13_scales", "f32", [E, 2 * I // FP8_BLOCK, H // FP8_BLOCK]),
-                   KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
-                   KernelArg("tile_counter", "tile_counters", "i32", [n_counters]),
-                   KernelArg("c", "h_q", "e4m3", ["M", I]),
-                   KernelArg("c_scales", "h_scales", "f32", ["M", I // FP8_BLOCK])]
-    gateup = KernelPlan(
-        name="gemm_gateup_fp8", stage="gemm_gateup", module="gemm_gateup_fp8", template="grouped_gemm_fp8.py.j2",
-        entry="main",
-        params=dict(name="gemm_gateup_fp8", class_name="GemmGateUpFP8", gateup=True,
-                    doc="FP8 gate/up projection with SwiGLU: h = silu(x @ w_gate^T) * (x @ w_up^T) per expert, "
-                        "blockwise scaled, written in e4m3 with 1 x 128 scales.",
-                    tile_m=FP8_TILE_M, tile_n=FP8_TILE_N, tile_k=FP8_BLOCK, scale_block=FP8_BLOCK,
-                    e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=gateup_stages,
-                    n_size=2 * I, k_size=H, groups=E, threads=threads, sms=target.sms,
-                    producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS, k_unroll=gateup_unroll,
-                    cluster_n=gateup_cluster, b_tiles=gateup_b_tiles, half_tail=gateup_tail,
-                    **sched["gemm_gateup_fp8"]),
-        args=gateup_args + row_token_arg(gateup_tail),
-        grid=f"(min({target.sms}, MT * {I // FP8_BLOCK}),)", block=threads,
-        warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
-                    "warpgroups 1-2: QGMMA per 128-wide K block and its promotion; per 1 x 128 block of h, two "
-                    + ("weight tiles per K block" if gateup_b_tiles > 1 else "passes")
-                    + " (gate and up interleaved per 64 columns), SwiGLU, the row's amax, h in e4m3"],
-        smem_bytes=gateup_stages * (FP8_TILE_M + gateup_b_tiles * FP8_TILE_N) * FP8_BLOCK
-        + (0 if gateup_b_tiles > 1 else stash_bytes))
-    # The training forward's gate/up GEMM: the same kernel, also storing the products before
-    # SwiGLU in bf16 (a13, the backward's input), so that the backward does not recompute them.
-    gateup_train = dataclasses.replace(
-        gateup, name="gemm_gateup_fp8_train", module="gemm_gateup_fp8_train",
-        params={**gateup.params, "name": "gemm_gateup_fp8_train", "class_name": "GemmGateUpFP8Train",
-                "save_products": True},
-        args=gateup_args + [KernelArg("products", "a13", "bf16", ["M", 2 * I])] + row_token_arg(gateup_tail),
-        warp_roles=gateup.warp_roles[:1] + [gateup.warp_roles[1] + "; the products in bf16 (a13) before SwiGLU"])
-    quant_threads = 256
+    def gateup_gemms(self, cluster: int, tiles: int, unroll: int) -> tuple[KernelPlan, KernelPlan]:
+        """The gate/up GEMM with the SwiGLU epilogue (h in e4m3 with its 1 x 128 scales), and the
+        training forward's, which also stores the products before SwiGLU (a13, bf16)."""
+        E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
+        stages = FP8_AB_SMEM // ((FP8_TILE_M + tiles * FP8_TILE_N) * FP8_BLOCK)
+        # gate/up keeps the first pass's h (fp32) per consumer thread until the second pass
+        stash_bytes = 4 * FP8_TILE_M * FP8_TILE_N // 2
+        tail = half_tail("gemm_gateup_fp8", tiles, self.overrides)
+        args = [KernelArg("a", "x_rows_q", "e4m3", ["M", H]),
+                KernelArg("a_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK]),
+                KernelArg("b", "w13_q", "e4m3", [E, 2 * I, H]),
+                KernelArg("b_scales", "w13_scales", "f32", [E, 2 * I // FP8_BLOCK, H // FP8_BLOCK]),
+                KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                KernelArg("tile_counter", "tile_counters", "i32", [self.n_counters]),
+                KernelArg("c", "h_q", "e4m3", ["M", I]),
+                KernelArg("c_scales", "h_scales", "f32", ["M", I // FP8_BLOCK])]
+        gateup = KernelPlan(
+            name="gemm_gateup_fp8", stage="gemm_gateup", module="gemm_gateup_fp8",
+            template="grouped_gemm_fp8.py.j2", entry="main",
+            params=dict(name="gemm_gateup_fp8", class_name="GemmGateUpFP8", gateup=True,
+                        doc="FP8 gate/up projection with SwiGLU: h = silu(x @ w_gate^T) * (x @ w_up^T) per expert, "
+                            "blockwise scaled, written in e4m3 with 1 x 128 scales.",
+                        tile_m=FP8_TILE_M, tile_n=FP8_TILE_N, tile_k=FP8_BLOCK, scale_block=FP8_BLOCK,
+                        e4m3_max=E4M3_MAX, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages,
+                        n_size=2 * I, k_size=H, groups=E, threads=self.threads, sms=self.target.sms,
+                        producer_regs=FP8_PRODUCER_REGS, consumer_regs=FP8_CONSUMER_REGS, k_unroll=unroll,
+                        cluster_n=cluster, b_tiles=tiles, half_tail=tail, **self.sched["gemm_gateup_fp8"]),
+            args=args + row_token_arg(tail),
+            grid=f"(min({self.target.sms}, MT * {I // FP8_BLOCK}),)", block=self.threads,
+            warp_roles=["warpgroup 0, warp 0: TMA producer of the A and B stages",
+                        "warpgroups 1-2: QGMMA per 128-wide K block and its promotion; per 1 x 128 block of h, two "
+                        + ("weight tiles per K block" if tiles > 1 else "passes")
+                        + " (gate and up interleaved per 64 columns), SwiGLU, the row's amax, h in e4m3"],
+            smem_bytes=stages * (FP8_TILE_M + tiles * FP8_TILE_N) * FP8_BLOCK + (0 if tiles > 1 else stash_bytes))
+        # The training forward's gate/up GEMM: the same kernel, also storing the products before
+        # SwiGLU in bf16 (a13, the backward's input), so that the backward does not recompute them.
+        train = dataclasses.replace(
+            gateup, name="gemm_gateup_fp8_train", module="gemm_gateup_fp8_train",
+            params={**gateup.params, "name": "gemm_gateup_fp8_train", "class_name": "GemmGateUpFP8Train",
+                    "save_products": True},
+            args=args + [KernelArg("products", "a13", "bf16", ["M", 2 * I])] + row_token_arg(tail),
+            warp_roles=gateup.warp_roles[:1] + [gateup.warp_roles[1] + "; the products in bf16 (a13) before SwiGLU"])
+        return gateup, train
+
+    def wgrad_gemm(self, name, class_name, doc, a, b, c, n1, n2) -> KernelPlan:
+        """C[e] [n1, n2] = sum over e's M tiles of A_t^T-blocks @ B_t (templates/grouped_gemm_fp8_wgrad.py.j2);
+        c = (gate's, up's): C's rows are w_gate's and w_up's interleaved, written to two outputs."""
+        E, target = self.spec.experts, self.target
+        split = isinstance(c, tuple)
+        outs = [KernelArg("c", c[0], "bf16", [E * n1 // 2, n2]), KernelArg("c2", c[1], "bf16", [E * n1 // 2, n2])] \
+            if split else [KernelArg("c", c, "bf16", [E * n1, n2])]
+        c_stride = FP8_TILE_N + FP8_C_PAD
+        # warpgroup 0's three store warps walk whole rows of the tile, 16 bytes a thread
+        assert (FP8_WG_THREADS - 32) % (FP8_TILE_N * 2 // 16) == 0, "the store threads must cover whole rows"
+        c_bytes = FP8_TILE_M * c_stride * 2  # the epilogue's bf16 tile in shared memory
+        # a stage: the e4m3 A and B tiles of one K block, and the M tile's fp32 scales of the
+        # unit's columns of A and of B
+        stage_bytes = (FP8_TILE_M + FP8_TILE_N) * FP8_BLOCK + (FP8_TILE_M + FP8_TILE_N) * 4
+        stages = min(FP8_STAGES, (FP8_SMEM_LIMIT - FP8_SMEM_RESERVED - c_bytes) // stage_bytes)
+        return KernelPlan(
+            name=name, stage="wgrad", module=name, template="grouped_gemm_fp8_wgrad.py.j2", entry="main",
+            params=dict(name=name, class_name=class_name, doc=doc, tile_m=FP8_TILE_M, tile_n=FP8_TILE_N,
+                        tile_k=FP8_BLOCK, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages, n1=n1, n2=n2,
+                        groups=E, threads=self.threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
+                        consumer_regs=FP8_CONSUMER_REGS, split=split, interleave=FP8_INTERLEAVE, c_stride=c_stride,
+                        store_unroll=FP8_STORE_UNROLL, debug_break=bool(self.overrides.get(f"{name}.debug_break")),
+                        **self.sched[name]),
+            args=[KernelArg("a", f"{a}_q", "e4m3", ["MT", n1, FP8_TILE_M]),
+                  KernelArg("a_scales", f"{a}_scales", "f32", ["MT", n1]),
+                  KernelArg("b", f"{b}_q", "e4m3", ["MT", n2, FP8_TILE_M]),
+                  KernelArg("b_scales", f"{b}_scales", "f32", ["MT", n2]),
+                  KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+                  KernelArg("tile_counter", "tile_counters", "i32", [self.n_counters])] + outs,
+            grid=f"(min({target.sms}, {E * (n1 // FP8_TILE_M) * (n2 // FP8_TILE_N)}),)", block=self.threads,
+            warp_roles=["warpgroup 0, warp 0: the unit scheduler (expert, m, n) and TMA producer, per M tile of the "
+                        "expert (the A and B tiles and their columns' scales)", "warpgroup 0, warps 1-3: each unit's tile from shared memory to C (16-byte stores)",
+                        "warpgroups 1-2: QGMMA per M tile, waited for, promoted with the row and column scales of "
+                        "both operands"],
+            smem_bytes=stages * stage_bytes + c_bytes)
+
+
+QUANTIZE_ROWS_THREADS = 256
+
+
+def quantize_rows_kernels(spec: MoESpec) -> tuple[KernelPlan, KernelPlan]:
+    """x's routed rows in dispatch's order in e4m3 with 1 x 128 scales, and dout's the same way."""
+    H, E, threads = spec.hidden, spec.experts, QUANTIZE_ROWS_THREADS
     quantize = KernelPlan(
         name="quantize_rows_fp8", stage="send", module="quantize_rows_fp8", template="quantize_rows_fp8.py.j2",
         entry="main",
-        params=dict(name="quantize_rows_fp8", hidden=H, topk=spec.topk, experts=E, threads=quant_threads,
+        params=dict(name="quantize_rows_fp8", hidden=H, topk=spec.topk, experts=E, threads=threads,
                     tile_m=FP8_TILE_M, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX,
                     block_lanes=FP8_ROWS_BLOCK_LANES, batch=FP8_ROWS_BATCH),
         args=[KernelArg("x", "x", "bf16", ["T", H]),
@@ -336,7 +448,7 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
               KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
               KernelArg("x_rows_q", "x_rows_q", "e4m3", ["M", H]),
               KernelArg("x_rows_scales", "x_rows_scales", "f32", ["M", H // FP8_BLOCK])],
-        grid=f"(ceil(T/{quant_threads // 32}) + ceil(M/{quant_threads // 32}),)", block=quant_threads,
+        grid=f"(ceil(T/{threads // 32}) + ceil(M/{threads // 32}),)", block=threads,
         warp_roles=["the first ceil(T / 8) CTAs, each warp: one token's x in 1 x 128 blocks (amax, scale, e4m3), "
                     "stored to each of its K rows",
                     "the CTAs after them, each warp: one row of dispatch's layout, zeroed if it is padding"])
@@ -347,11 +459,21 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         args=[dataclasses.replace(a, tensor={"x": "dout", "x_rows_q": "dy_q", "x_rows_scales": "dy_scales"}.get(
             a.tensor, a.tensor)) for a in quantize.args],
         warp_roles=[r.replace("x in", "dout row in") for r in quantize.warp_roles])
-    swiglu_threads = 256
+    return quantize, quantize_dout
+
+
+SWIGLU_BWD_THREADS = 256
+
+
+def swiglu_backward_kernels(spec: MoESpec) -> tuple[KernelPlan, KernelPlan]:
+    """The SwiGLU backward ([da | db] in e4m3 and <g, h> for the routing weights' gradient), and
+    the full backward's, which also writes [da | db] and w h in bf16 rows, which the weight
+    gradients' operands are quantised from (per 128-row block of each column)."""
+    I, threads = spec.intermediate, SWIGLU_BWD_THREADS
     swiglu = KernelPlan(
         name="swiglu_backward_fp8", stage="bwd_swiglu", module="swiglu_backward_fp8",
         template="swiglu_backward_fp8.py.j2", entry="main",
-        params=dict(name="swiglu_backward_fp8", topk=spec.topk, intermediate=I, threads=swiglu_threads,
+        params=dict(name="swiglu_backward_fp8", topk=spec.topk, intermediate=I, threads=threads,
                     tile_m=FP8_TILE_M, interleave=FP8_INTERLEAVE, scale_block=FP8_BLOCK, e4m3_max=E4M3_MAX,
                     rows_bf16=False),
         args=[KernelArg("row_token", "row_token", "i32", ["M"]),
@@ -363,111 +485,64 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
               KernelArg("dab_q", "dab_q", "e4m3", ["M", 2 * I]),
               KernelArg("dab_scales", "dab_scales", "f32", ["M", 2 * I // FP8_BLOCK]),
               KernelArg("d_weights", "d_topk_weights", "f32", ["T", spec.topk])],
-        grid=f"(ceil(M/{swiglu_threads // 32}),)", block=swiglu_threads,
+        grid=f"(ceil(M/{threads // 32}),)", block=threads,
         warp_roles=["each warp: one row (pair): <g, h> for the routing weight's gradient, da and db in e4m3 per "
                     "1 x 128 block of the interleaved columns"])
-    # The weight gradients' operands: rows in e4m3 with one scale per 128-row block of each
-    # column, K-major per M tile.
-    def quantize_cols(name, src, cols, out, gather=True):
-        """gather: src is token-major [T, cols], its rows gathered through row_token; else src is
-        [M, cols] in dispatch's layout already."""
-        return KernelPlan(
-            name=name, stage="bwd_quantize", module=name, template="quantize_cols_fp8.py.j2", entry="main",
-            params=dict(name=name, cols=cols, threads=FP8_IO_THREADS, tile_m=FP8_TILE_M, e4m3_max=E4M3_MAX,
-                        gather=gather, cta_cols=FP8_BLOCK),
-            args=[KernelArg("src", src, "bf16", ["T" if gather else "M", cols]),
-                  KernelArg("row_token", "row_token", "i32", ["M"]),
-                  KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
-                  KernelArg("out_q", f"{out}_q", "e4m3", ["MT", cols, FP8_TILE_M]),
-                  KernelArg("out_scales", f"{out}_scales", "f32", ["MT", cols])],
-            grid=f"(MT, {cols // FP8_BLOCK})", block=FP8_IO_THREADS,
-            warp_roles=[f"one CTA per (M tile, {FP8_BLOCK} columns): the rows into shared memory (16-byte loads, a warp "
-                        "two whole rows), then each warp 16 columns, each lane 4 rows: each column's amax over the "
-                        "lanes, then e4m3, a column's 4 rows to a store"])
-
-    def wgrad_gemm(name, class_name, doc, a, b, c, n1, n2):
-        """C[e] [n1, n2] = sum over e's M tiles of A_t^T-blocks @ B_t (templates/grouped_gemm_fp8_wgrad.py.j2);
-        c = (gate's, up's): C's rows are w_gate's and w_up's interleaved, written to two outputs."""
-        split = isinstance(c, tuple)
-        outs = [KernelArg("c", c[0], "bf16", [E * n1 // 2, n2]), KernelArg("c2", c[1], "bf16", [E * n1 // 2, n2])] \
-            if split else [KernelArg("c", c, "bf16", [E * n1, n2])]
-        c_stride = FP8_TILE_N + FP8_C_PAD
-        # warpgroup 0's three store warps walk whole rows of the tile, 16 bytes a thread
-        assert (FP8_WG_THREADS - 32) % (FP8_TILE_N * 2 // 16) == 0, "the store threads must cover whole rows"
-        c_bytes = FP8_TILE_M * c_stride * 2  # the epilogue's bf16 tile in shared memory
-        # a stage also holds the M tile's fp32 scales of the unit's columns of A and of B
-        wgrad_stage_bytes = stage_bytes + (FP8_TILE_M + FP8_TILE_N) * 4
-        stages = min(FP8_STAGES, (FP8_SMEM_LIMIT - FP8_SMEM_RESERVED - c_bytes) // wgrad_stage_bytes)
-        return KernelPlan(
-            name=name, stage="wgrad", module=name, template="grouped_gemm_fp8_wgrad.py.j2", entry="main",
-            params=dict(name=name, class_name=class_name, doc=doc, tile_m=FP8_TILE_M, tile_n=FP8_TILE_N,
-                        tile_k=FP8_BLOCK, mma_warpgroups=FP8_MMA_WARPGROUPS, stages=stages, n1=n1, n2=n2,
-                        groups=E, threads=threads, sms=target.sms, producer_regs=FP8_PRODUCER_REGS,
-                        consumer_regs=FP8_CONSUMER_REGS, split=split, interleave=FP8_INTERLEAVE, c_stride=c_stride,
-                        store_unroll=FP8_STORE_UNROLL, debug_break=bool(overrides.get(f"{name}.debug_break")),
-                        **sched[name]),
-            args=[KernelArg("a", f"{a}_q", "e4m3", ["MT", n1, FP8_TILE_M]),
-                  KernelArg("a_scales", f"{a}_scales", "f32", ["MT", n1]),
-                  KernelArg("b", f"{b}_q", "e4m3", ["MT", n2, FP8_TILE_M]),
-                  KernelArg("b_scales", f"{b}_scales", "f32", ["MT", n2]),
-                  KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
-                  KernelArg("tile_counter", "tile_counters", "i32", [n_counters])] + outs,
-            grid=f"(min({target.sms}, {E * (n1 // FP8_TILE_M) * (n2 // FP8_TILE_N)}),)", block=threads,
-            warp_roles=["warpgroup 0, warp 0: the unit scheduler (expert, m, n) and TMA producer, per M tile of the "
-                        "expert (the A and B tiles and their columns' scales)", "warpgroup 0, warps 1-3: each unit's tile from shared memory to C (16-byte stores)",
-                        "warpgroups 1-2: QGMMA per M tile, waited for, promoted with the row and column scales of "
-                        "both operands"],
-            smem_bytes=stages * wgrad_stage_bytes + c_bytes)
-
-    wgrad_down = wgrad_gemm("wgrad_down_fp8", "WgradDownFP8",
-                            "FP8 weight gradient of the down projection: d_w_down[e] = dy_e^T @ (w h)_e over the "
-                            "expert's rows.", "doutt", "hwt", "d_w_down", H, I)
-    wgrad_gateup = wgrad_gemm("wgrad_gateup_fp8", "WgradGateUpFP8",
-                              "FP8 weight gradient of the gate/up projection: [d_w_gate; d_w_up][e] = [da | db]_e^T @ "
-                              "x_e over the expert's rows (computed interleaved per 64, written apart).", "dabt", "xt",
-                              ("d_w_gate", "d_w_up"), 2 * I, H)
-    def quantize_weights(name, class_name, doc, srcs, out, n, k, interleave):
-        """out_q, out_t_q and their scales from the bf16 masters srcs (templates/quantize_blocks_fp8.py.j2)."""
-        src_shape = [E, n // 2 if interleave else n, k]
-        return KernelPlan(
-            name=name, stage="quantize_weights", module=name, template="quantize_blocks_fp8.py.j2", entry="main",
-            params=dict(name=name, class_name=class_name, doc=doc, groups=E, n=n, k=k, block=FP8_BLOCK,
-                        interleave=interleave, e4m3_max=E4M3_MAX, threads=FP8_IO_THREADS),
-            args=[KernelArg("src0", srcs[0], "bf16", src_shape), KernelArg("src1", srcs[1], "bf16", src_shape),
-                  KernelArg("q", f"{out}_q", "e4m3", [E, n, k]),
-                  KernelArg("scales", f"{out}_scales", "f32", [E, n // FP8_BLOCK, k // FP8_BLOCK]),
-                  KernelArg("q_t", f"{out}_t_q", "e4m3", [E, k, n]),
-                  KernelArg("scales_t", f"{out}_t_scales", "f32", [E, k // FP8_BLOCK, n // FP8_BLOCK])],
-            grid=f"({E * (n // FP8_BLOCK) * (k // FP8_BLOCK)},)", block=FP8_IO_THREADS,
-            warp_roles=[f"one CTA per {FP8_BLOCK} x {FP8_BLOCK} block: its rows into shared memory (16-byte loads, a "
-                        "warp two whole rows) and the block's amax; then by columns, each warp 16, each lane 4 rows: "
-                        "each value divided once, its e4m3 stored transposed (4-byte stores) and to a second tile, "
-                        "from which the rows are stored as they are (16-byte stores)"])
-
-    # The experts' weights from bf16 masters, as mokgen.fp8.quantize_experts (the same bits), on
-    # the GPU: mokgen.moe_fp8_train quantises them on every call.
-    quantize_w13 = quantize_weights("quantize_w13_fp8", "QuantizeW13",
-                                    "w_gate and w_up, interleaved, in e4m3 blocks (and transposed).",
-                                    ("w_gate", "w_up"), "w13", 2 * I, H, FP8_INTERLEAVE)
-    quantize_w_down = quantize_weights("quantize_w_down_fp8", "QuantizeWDown", "w_down in e4m3 blocks (and "
-                                       "transposed).", ("w_down", "w_down"), "w_down", H, I, 0)
-    quantize_x_t = quantize_cols("quantize_x_t_fp8", "x", H, "xt")
-    quantize_dout_t = quantize_cols("quantize_dout_t_fp8", "dout", H, "doutt")
-    quantize_hw_t = quantize_cols("quantize_hw_t_fp8", "hw_rows", I, "hwt", gather=False)
-    quantize_dab_t = quantize_cols("quantize_dab_t_fp8", "dab_rows", 2 * I, "dabt", gather=False)
-    # The full backward's SwiGLU backward also writes [da | db] and w h in bf16 rows, which the
-    # weight gradients' operands are quantised from (per 128-row block of each column).
     swiglu_w = dataclasses.replace(
         swiglu, name="swiglu_backward_fp8_w", module="swiglu_backward_fp8_w",
         params={**swiglu.params, "name": "swiglu_backward_fp8_w", "rows_bf16": True},
         args=swiglu.args + [KernelArg("dab_rows", "dab_rows", "bf16", ["M", 2 * I]),
                             KernelArg("hw_rows", "hw_rows", "bf16", ["M", I])])
-    keep = ("dispatch_count", "dispatch_scatter", "combine", "bwd_combine")
-    kernels = [k for k in twin.kernels if k.name in keep]
-    bound = {a.tensor for k in kernels for a in k.args}
+    return swiglu, swiglu_w
+
+
+def quantize_cols(name: str, src: str, cols: int, out: str, gather: bool = True) -> KernelPlan:
+    """A weight gradient's operand: rows in e4m3 with one scale per 128-row block of each column,
+    K-major per M tile. gather: src is token-major [T, cols], its rows gathered through
+    row_token; else src is [M, cols] in dispatch's layout already."""
+    return KernelPlan(
+        name=name, stage="bwd_quantize", module=name, template="quantize_cols_fp8.py.j2", entry="main",
+        params=dict(name=name, cols=cols, threads=FP8_IO_THREADS, tile_m=FP8_TILE_M, e4m3_max=E4M3_MAX,
+                    gather=gather, cta_cols=FP8_BLOCK),
+        args=[KernelArg("src", src, "bf16", ["T" if gather else "M", cols]),
+              KernelArg("row_token", "row_token", "i32", ["M"]),
+              KernelArg("tile_expert", "tile_expert", "i32", ["MT"]),
+              KernelArg("out_q", f"{out}_q", "e4m3", ["MT", cols, FP8_TILE_M]),
+              KernelArg("out_scales", f"{out}_scales", "f32", ["MT", cols])],
+        grid=f"(MT, {cols // FP8_BLOCK})", block=FP8_IO_THREADS,
+        warp_roles=[f"one CTA per (M tile, {FP8_BLOCK} columns): the rows into shared memory (16-byte loads, a warp "
+                    "two whole rows), then each warp 16 columns, each lane 4 rows: each column's amax over the "
+                    "lanes, then e4m3, a column's 4 rows to a store"])
+
+
+def quantize_weights(E: int, name: str, class_name: str, doc: str, srcs: tuple, out: str, n: int, k: int,
+                     interleave: int) -> KernelPlan:
+    """out_q, out_t_q and their scales from the bf16 masters srcs (templates/quantize_blocks_fp8.py.j2)."""
+    src_shape = [E, n // 2 if interleave else n, k]
+    return KernelPlan(
+        name=name, stage="quantize_weights", module=name, template="quantize_blocks_fp8.py.j2", entry="main",
+        params=dict(name=name, class_name=class_name, doc=doc, groups=E, n=n, k=k, block=FP8_BLOCK,
+                    interleave=interleave, e4m3_max=E4M3_MAX, threads=FP8_IO_THREADS),
+        args=[KernelArg("src0", srcs[0], "bf16", src_shape), KernelArg("src1", srcs[1], "bf16", src_shape),
+              KernelArg("q", f"{out}_q", "e4m3", [E, n, k]),
+              KernelArg("scales", f"{out}_scales", "f32", [E, n // FP8_BLOCK, k // FP8_BLOCK]),
+              KernelArg("q_t", f"{out}_t_q", "e4m3", [E, k, n]),
+              KernelArg("scales_t", f"{out}_t_scales", "f32", [E, k // FP8_BLOCK, n // FP8_BLOCK])],
+        grid=f"({E * (n // FP8_BLOCK) * (k // FP8_BLOCK)},)", block=FP8_IO_THREADS,
+        warp_roles=[f"one CTA per {FP8_BLOCK} x {FP8_BLOCK} block: its rows into shared memory (16-byte loads, a "
+                    "warp two whole rows) and the block's amax; then by columns, each warp 16, each lane 4 rows: "
+                    "each value divided once, its e4m3 stored transposed (4-byte stores) and to a second tile, "
+                    "from which the rows are stored as they are (16-byte stores)"])
+
+
+def fp8_buffers(spec: MoESpec, twin: Plan, kept: list) -> list[Buffer]:
+    """The twin's buffers that its kept kernels bind, and the FP8 rows and operands, in
+    dispatch's row layout (a function of T) or per M tile."""
+    H, I = spec.hidden, spec.intermediate
+    bound = {a.tensor for k in kept for a in k.args}
     rows = next(b for b in twin.buffers if b.name == "y").shape[0]  # dispatch's padded rows, a function of T
     m_tiles = next(b for b in twin.buffers if b.name == "tile_expert").shape[0]
-    buffers = [b for b in twin.buffers if b.name in bound] + [
+    return [b for b in twin.buffers if b.name in bound] + [
         Buffer("x_rows_q", "e4m3", [rows, str(H)]), Buffer("x_rows_scales", "f32", [rows, str(H // FP8_BLOCK)]),
         Buffer("h_q", "e4m3", [rows, str(I)]), Buffer("h_scales", "f32", [rows, str(I // FP8_BLOCK)]),
         # (the dgrad GEMMs' operands, in dispatch's row layout)
@@ -482,6 +557,10 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
         Buffer("dabt_q", "e4m3", [m_tiles, str(2 * I), str(FP8_TILE_M)]),
         Buffer("dabt_scales", "f32", [m_tiles, str(2 * I)]),
         Buffer("dab_rows", "bf16", [rows, str(2 * I)]), Buffer("hw_rows", "bf16", [rows, str(I)])]
+
+
+def fp8_steps(own_entries: list) -> dict:
+    """The entries: each of own_entries alone (its golden test), and the chains."""
     forward = ["dispatch_count", "dispatch_scatter", "quantize_rows_fp8", "gemm_gateup_fp8", "gemm_down_fp8",
                "combine"]
     # The data gradients (dx, d_topk_weights) from dout, recomputing the forward's products
@@ -499,29 +578,8 @@ def fp8_plan(spec: MoESpec, target: Target, overrides: dict | None = None):
     # the backward: the row layout is a function of topk_ids, the same rows in the same order.)
     forward_train = [("gemm_gateup_fp8_train" if n == "gemm_gateup_fp8" else n) for n in forward]
     backward_fp8_saved = [n for n in backward_fp8 if n not in ("quantize_rows_fp8", "bwd_recompute_fp8")]
-    kernels = kernels[:2] + [quantize, gateup, down] + kernels[2:] + [
-        quantize_dout, recompute, dgrad_down, swiglu, dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down,
-        wgrad_gateup, swiglu_w, quantize_hw_t, quantize_dab_t, quantize_w13, quantize_w_down, gateup_train,
-        twin_gemms["status_mirror"]]
-    steps = {**{k.name: [k.name] for k in (quantize, gateup, down, quantize_dout, recompute, dgrad_down, swiglu,
-                                           dgrad_gateup, quantize_x_t, quantize_dout_t, wgrad_down, wgrad_gateup)},
-             "forward": forward, "backward_data": backward_data, "backward_fp8": backward_fp8,
-             "quantize_experts": ["quantize_w13_fp8", "quantize_w_down_fp8"],
-             "forward_train": forward_train, "backward_fp8_saved": backward_fp8_saved,
-             "status": ["status_mirror"]}
-    # The combines copy the call's error code themselves (FP8's GEMMs leave it to status_mirror).
-    kernels, mirror_why = mirror_status_by_last_kernels(kernels, steps, {}, [], n_counters,
-                                                        twin_gemms["status_mirror"].params["status_slot"], None)
-    return Plan(
-        format=PLAN_FORMAT, mokgen_version=__version__, variant=spec.variant, spec=spec.to_dict(),
-        target=target.to_dict(), row_tile=FP8_TILE_M, sm_roles={}, queues=[], reduction_order=twin.reduction_order,
-        buffers=buffers,
-        kernels=kernels,
-        steps=steps,
-        flops=twin.flops,
-        decisions=["dtype fp8: the forward is dispatch (the bf16 layer's, rows padded to 128), the routed rows of x "
-                   "in e4m3, the gate/up projection (SwiGLU, h in e4m3), the down projection (bf16 y), the bf16 "
-                   "combine; each FP8 kernel is also an entry point of its own for its golden test (docs/fp8.md)",
-                   why_gateup_tile, why_gateup, why_gateup_cluster, *why, *mirror_why]
-        + ([f"overrides {json.dumps(overrides, sort_keys=True)}"] if overrides else []),
-        overrides=overrides)
+    return {**{k.name: [k.name] for k in own_entries},
+            "forward": forward, "backward_data": backward_data, "backward_fp8": backward_fp8,
+            "quantize_experts": ["quantize_w13_fp8", "quantize_w_down_fp8"],
+            "forward_train": forward_train, "backward_fp8_saved": backward_fp8_saved,
+            "status": ["status_mirror"]}
