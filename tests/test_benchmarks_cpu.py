@@ -143,3 +143,25 @@ def test_stage_builds_copies_what_the_runtime_loads(tmp_path):
     (home / "e64_a_sm90a" / "build" / "libmokgen.so").unlink()
     r = stage("e64_a_sm90a")
     assert r.returncode == 1 and "not compiled: e64_a_sm90a" in r.stderr
+
+
+def test_plan_fingerprints_tell_a_changed_plan_and_a_changed_refusal():
+    """benchmarks/plan_fingerprints.py (the guard of a refactor of the planning code): the same
+    spec gives the same fingerprint, another override another one, a refused spec its error,
+    and compare lists every difference and every case only one side has."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from plan_fingerprints import compare, fingerprint
+    finally:
+        sys.path.pop(0)
+    from mokgen.ir import MoESpec
+
+    spec = MoESpec(experts=8, topk=2, hidden=256, intermediate=128)
+    a = fingerprint(spec, None)
+    assert a == fingerprint(spec, None) and len(a) == 64
+    assert fingerprint(spec, {"fuse_gemms": False}) != a
+    assert fingerprint(spec, {"no_such_override": 1}).startswith("error PlanError")
+    before = {"x": a, "y": "error PlanError: no", "gone": a}
+    after = {"x": a, "y": "error PlanError: other words", "new": a}
+    assert compare(before, before) == []
+    assert [line.split(":")[0] for line in compare(before, after)] == ["gone", "new", "y"]
