@@ -91,6 +91,10 @@ def main() -> int:
         lines = compare(before, after)
         print("\n".join(lines) if lines else f"{len(before)} Plans, all the same")
         return 1 if lines else 0
+    import mokgen
+
+    # (an editable install elsewhere, or another checkout first on the path, would be what runs)
+    print(f"fingerprinting the planning code of {Path(mokgen.__file__).parent}", flush=True)
     todo = cases([int(s) for s in args.seeds.split(",") if s], args.per_seed)
     prints = {}
     for i, (key, spec, overrides) in enumerate(todo):

@@ -7,7 +7,8 @@ GemmMaker, so these GEMMs are planned exactly as the forward's are.
 from __future__ import annotations
 
 from ..ir import MoESpec
-from .records import VEC, WGMMA_ROWS, Buffer, KernelArg, KernelPlan, simt_threads
+from .records import SHARED_ROWS, VEC, WGMMA_ROWS, Buffer, KernelArg, KernelPlan, simt_threads
+
 from .target import Target
 
 # What the training forward hands to autograd for the backward: the SwiGLU inputs (routed,
@@ -81,18 +82,18 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
     x_rows, dout_rows, gather = ("ep_recv", "ep_grad", False) if ep else ("x", "dout", True)
     train = gemm(
         "gemm_gateup_train", "gemm_gateup", "ep_recv" if ep else "x", ("w_gate", "w_up"), ("h", "ga", "gb"), I, H,
-        "swiglu_save", "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue, storing the "
+        "swiglu_save", "Routed gate/up projection with the SwiGLU epilogue, storing the "
         "SwiGLU inputs too (the training forward).", gather_a=not ep)
     ks = [
         gemm("bwd_recompute", "recompute", x_rows, ("w_gate", "w_up"), ("ga", "gb"), I, H, "pair",
-             "tile_expert", "M", "MT", E, "Backward: the SwiGLU inputs recomputed, both products stored.",
+             "Backward: the SwiGLU inputs recomputed, both products stored.",
              gather_a=gather, clustered=False),
-        gemm("bwd_dgrad_down", "dgrad_down", dout_rows, ("w_down",), "g", I, H, "store", "tile_expert", "M", "MT", E,
+        gemm("bwd_dgrad_down", "dgrad_down", dout_rows, ("w_down",), "g", I, H, "store",
              "Backward: the down projection's input gradient (unweighted), dout rows "
              + ("received." if ep else "gathered."), gather_a=gather, b_major="mn", clustered=False),
         swiglu_backward("bwd_swiglu", spec, row_tile, ep=ep),
         gemm("bwd_dgrad_gateup", "dgrad_gateup", ("da", "db"), ("w_gate", "w_up"), "dxs", H, 2 * I, "store",
-             "tile_expert", "M", "MT", E, "Backward: the gate/up projections' input gradient"
+             "Backward: the gate/up projections' input gradient"
              + ("." if ep else "; its idle warps copy the x rows into dispatch order (xs) meanwhile."),
              b_major="mn", split_k=True, clustered=False, copy_rows=None if ep else ("x", "xs", copy_slot)),
     ]
@@ -108,31 +109,29 @@ def backward_kernels(gemm, spec: MoESpec, target: Target, row_tile: int, buffers
               ("wgrad_up", "db", x_rows if ep else "xs", "d_w_up", I, H, E, "M", counts, "")]
     if S:  # the shared expert: the same kernels with one group over all T tokens, nothing gathered
         train_s = gemm("shared_gateup_train", "shared_gateup", "x", ("ws_gate", "ws_up"), ("hs", "sa", "sb"), S, H,
-                       "swiglu_save", "shared_tiles", "T", "ST", 1, "Shared expert gate/up projection storing the "
-                       "SwiGLU inputs too (the training forward).", routed=False)
+                       "swiglu_save", "Shared expert gate/up projection storing the SwiGLU inputs too (the "
+                       "training forward).", rows=SHARED_ROWS, routed=False)
         buffers += [Buffer(n, "bf16", ["T", str(S)]) for n in ("sa", "sb", "gs", "das", "dbs", "hsb")]
         buffers.append(Buffer("dx_shared", "bf16", ["T", str(H)]))
         ks += [
             gemm("bwd_shared_recompute", "shared_recompute", "x", ("ws_gate", "ws_up"), ("sa", "sb"), S, H, "pair",
-                 "shared_tiles", "T", "ST", 1, "Backward: the shared expert's SwiGLU inputs recomputed.",
-                 routed=False),
+                 "Backward: the shared expert's SwiGLU inputs recomputed.", rows=SHARED_ROWS, routed=False),
             gemm("bwd_shared_dgrad_down", "shared_dgrad_down", "dout", ("ws_down",), "gs", S, H, "store",
-                 "shared_tiles", "T", "ST", 1, "Backward: the shared down projection's input gradient.",
-                 routed=False, b_major="mn"),
+                 "Backward: the shared down projection's input gradient.", rows=SHARED_ROWS, routed=False,
+                 b_major="mn"),
             swiglu_backward("bwd_shared_swiglu", spec, row_tile, shared=True),
             gemm("bwd_shared_dgrad_gateup", "shared_dgrad_gateup", ("das", "dbs"), ("ws_gate", "ws_up"), "dx_shared",
-                 H, 2 * S, "store", "shared_tiles", "T", "ST", 1,
-                 "Backward: the shared gate/up projections' input gradient.", routed=False, b_major="mn",
-                 split_k=True),
+                 H, 2 * S, "store", "Backward: the shared gate/up projections' input gradient.", rows=SHARED_ROWS,
+                 routed=False, b_major="mn", split_k=True),
         ]
         wgrads += [("wgrad_shared_down", "dout", "hsb", "d_ws_down", H, S, 1, "T", None, ""),
                    ("wgrad_shared_gate", "das", "x", "d_ws_gate", S, H, 1, "T", None, ""),
                    ("wgrad_shared_up", "dbs", "x", "d_ws_up", S, H, 1, "T", None, "")]
     ks.append(reverse_combine(spec, target))
     for name, a, b, c, m, n, groups, m_sym, counts, gathered in wgrads:  # (counts: the tensor of rows per group)
-        k = gemm(name, name, a, (b,), c, n, 64, "store", counts or "shared_tiles", m_sym, f"{groups}*ceil({m}/{WGRAD_TILE_M})",
-                 groups, f"Backward: the weight gradient {c}, "
+        k = gemm(name, name, a, (b,), c, n, 64, "store", f"Backward: the weight gradient {c}, "
                  + ("one expert's rows contracted per tile." if counts else "all T token rows contracted per tile."),
+                 rows=(counts or "shared_tiles", m_sym, f"{groups}*ceil({m}/{WGRAD_TILE_M})", groups),
                  wgrad_m=m, clustered=False, gather_mn=gathered)
         if not counts:  # one group: its rows are A's rows (T), no counts to read
             k.params["all_rows"] = True

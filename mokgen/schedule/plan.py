@@ -27,8 +27,8 @@ from ..ir import Graph, MoESpec, backward_graph, forward_graph
 from ..ir.graph import T
 from .backward import (BACKWARD_GEMMS, COPY_BATCH_CONSUMER, COPY_BATCH_PRODUCER, COPY_CLAIM_ROWS,
                        SHARED_BACKWARD_GEMMS, WGRAD_TILE_M, backward_kernels, backward_support)
-from .records import (PLAN_FORMAT, VEC, WARPGROUP_THREADS, WGMMA_ROWS, Buffer, KernelArg, KernelPlan, Plan, PlanError,
-                      _expr, simt_threads)
+from .records import (PLAN_FORMAT, SHARED_ROWS, VEC, WARPGROUP_THREADS, WGMMA_ROWS, Buffer, KernelArg, KernelPlan,
+                      Plan, PlanError, _expr, simt_threads)
 from .target import Target, target_for
 from .taskgraph import forward_task_graph, fused_tile_order, gemm_model_params
 
@@ -294,7 +294,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     # The routed forward GEMMs (the per-GEMM path's; the single launch starts from gate/up's)
     if ep:  # the received rows are contiguous and grouped by expert: TMA loads them
         gateup = gemm("gemm_gateup", "gemm_gateup", "ep_recv", ("w_gate", "w_up"), "h", I, H, "swiglu",
-                      "tile_expert", "M", "MT", E, "Routed gate/up projection (received rows) with the SwiGLU epilogue.")
+                      "Routed gate/up projection (received rows) with the SwiGLU epilogue.")
         if expert_parallel.overlapped(ov):
             send_ctas = expert_parallel.comm_ctas(spec, target, ov)[0]
             expert_parallel.overlap_gemm(gateup, spec, target, send_ctas)
@@ -303,11 +303,10 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                 expert_parallel.send_in_gemm(gateup, spec, target, send_ctas)
     else:
         gateup = gemm("gemm_gateup", "gemm_gateup", "x", ("w_gate", "w_up"), "h", I, H, "swiglu",
-                      "tile_expert", "M", "MT", E, "Routed gate/up projection with the SwiGLU epilogue.", gather_a=True)
+                      "Routed gate/up projection with the SwiGLU epilogue.", gather_a=True)
         decisions.append("gemm_gateup gathers its A rows from x (cp.async by the producer warpgroup): "
                          "no permuted copy of x")
-    down = gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store",
-                "tile_expert", "M", "MT", E, "Routed down projection." + (
+    down = gemm("gemm_down", "gemm_down", "h", ("w_down",), "y", H, I, "store", "Routed down projection." + (
                     " It returns its rows to their source ranks per M tile." if counters.gemm_returns else ""))
     if counters.gemm_returns:
         n_ret, why_ret = expert_parallel.return_in_gemm(down, spec, target, ov, counters.slot("ep_return"))
@@ -337,11 +336,9 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     if S and paths.kind != "fused":
         buffers.append(Buffer("shared_tiles", "i32", [_expr(s_tiles)], init="zeros"))
         kernels.append(gemm("shared_gateup", "shared_gateup", "x", ("ws_gate", "ws_up"), "hs", S, H, "swiglu",
-                            "shared_tiles", "T", "ST", 1, "Shared expert gate/up projection (every token).",
-                            routed=False))
+                            "Shared expert gate/up projection (every token).", rows=SHARED_ROWS, routed=False))
         kernels.append(gemm("shared_down", "shared_down", "hs", ("ws_down",), "ys", H, S, "store",
-                            "shared_tiles", "T", "ST", 1, "Shared expert down projection (every token).",
-                            routed=False))
+                            "Shared expert down projection (every token).", rows=SHARED_ROWS, routed=False))
         decisions.append("shared expert: the same grouped GEMM with one group over all T tokens")
 
     combine, reduction_order = combine_kernel(spec, target, dparams["experts"])
@@ -669,19 +666,22 @@ class GemmMaker:
         self.spec, self.target, self.ov, self.row_tile, self.cluster_m = spec, target, ov, row_tile, cluster_m
         self.counters, self.wait_timeout_ns, self.decisions = counters, wait_timeout_ns, decisions
 
-    def __call__(self, name, stage, a, b, c, n, k, epilogue, tiles_tensor, m_sym, tiles_sym, groups, doc,
-                 gather_a=False, routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn="",
-                 copy_rows=None, rows_tile=None, swap=False) -> KernelPlan:
-        """One grouped GEMM. The backward's modes: epilogue "pair" (c = (c0, c1), both products
-        stored), b_major "mn" (B stored [groups, K, N]), split_k (a = (a0, a1) and b = (b0, b1)
-        along K), wgrad_m (weight gradients [groups, wgrad_m, n] contracted over each group's
-        rows; k is unused; gather_mn "a" or "b": that operand's rows gathered from token rows
-        through row_token; copy_rows (source, destination, counter slot): the kernel's idle warps
-        also copy the source's token rows into the destination in dispatch order, see
-        COPY_CLAIM_ROWS); rows_tile: the M tile of a routed GEMM whose launch lays its rows out
-        itself (the small calls' single launch), else row_tile; swap: the wgmma's operands
-        swapped (swap_tiling)."""
+    def __call__(self, name, stage, a, b, c, n, k, epilogue, doc, *, rows: tuple | None = None, gather_a=False,
+                 routed=True, b_major="k", split_k=False, wgrad_m=0, clustered=True, gather_mn="", copy_rows=None,
+                 rows_tile=None, swap=False) -> KernelPlan:
+        """One grouped GEMM. rows: (the tile table, the symbol of its rows, of its tiles, the
+        groups), the routed rows (tile_expert over M rows in MT tiles, one group per local
+        expert) unless given (SHARED_ROWS: the shared expert's). The backward's modes: epilogue
+        "pair" (c = (c0, c1), both products stored), b_major "mn" (B stored [groups, K, N]),
+        split_k (a = (a0, a1) and b = (b0, b1) along K), wgrad_m (weight gradients [groups,
+        wgrad_m, n] contracted over each group's rows; k is unused; gather_mn "a" or "b": that
+        operand's rows gathered from token rows through row_token; copy_rows (source,
+        destination, counter slot): the kernel's idle warps also copy the source's token rows
+        into the destination in dispatch order, see COPY_CLAIM_ROWS); rows_tile: the M tile of
+        a routed GEMM whose launch lays its rows out itself (the small calls' single launch),
+        else row_tile; swap: the wgmma's operands swapped (swap_tiling)."""
         ov, target, H = self.ov, self.target, self.spec.hidden
+        tiles_tensor, m_sym, tiles_sym, groups = rows or ("tile_expert", "M", "MT", self.spec.local_experts)
         n_counters = self.counters.n
         rows_tile = rows_tile or self.row_tile
         tile_m = WGRAD_TILE_M if wgrad_m else rows_tile  # a weight-gradient tile runs over H or I, not rows
@@ -841,8 +841,8 @@ def swapped_bands(gemm: GemmMaker, bands: list, spec: MoESpec, counters: Counter
     small_t = SMALL_ROWS_PER_EXPERT * spec.experts // spec.topk
     for n in swapped:
         name = f"gemm_fused_n{n}"
-        gateup_w = gemm(name, "gemm", "x", ("w_gate", "w_up"), "h", I, H, "swiglu", "tile_expert",
-                        "M", "MT", E, "", gather_a=True, rows_tile=n, swap=True)
+        gateup_w = gemm(name, "gemm", "x", ("w_gate", "w_up"), "h", I, H, "swiglu", "", gather_a=True, rows_tile=n,
+                        swap=True)
         decisions.pop()  # (its tiling is stated with the launch below)
         band = fused_gemm(gateup_w, H, I, E, counters.used, gemm.target, 0, 0, counters.slot("gemm_fused"),
                           counters.done, K, name=name)

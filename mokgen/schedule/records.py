@@ -20,6 +20,10 @@ WARPGROUP_THREADS = 128
 WGMMA_ROWS = 64
 # Elements per 16-byte vector access in the SIMT kernels (bf16).
 VEC = 8
+# A grouped GEMM's rows as (tile table, rows, tiles, groups): the shared expert's, every token
+# in tiles of the row tile, one group (the routed GEMMs' are tile_expert over M rows in MT tiles,
+# one group per local expert).
+SHARED_ROWS = ("shared_tiles", "T", "ST", 1)
 
 
 @dataclass
