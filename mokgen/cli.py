@@ -345,7 +345,7 @@ def bench(spec, variant_name, tokens, baselines, json_path, backward, rounds):
     import torch
 
     from . import load
-    from .bench import run
+    from .bench import BENCH_ROUNDS, run
 
     toks = parse_tokens(tokens)
     if not torch.cuda.is_available():
@@ -354,7 +354,7 @@ def bench(spec, variant_name, tokens, baselines, json_path, backward, rounds):
     if backward and not v.has_backward and v.spec.dtype != "fp8":
         fail(f"{v.name}: {v.why_no_backward()}", code=1)
     run([v], toks, json_path, tuple(b.strip() for b in baselines.split(",")), log=click.echo, backward=backward,
-        **({"rounds": rounds} if rounds else {}))
+        rounds=rounds or BENCH_ROUNDS)
 
 
 

@@ -113,12 +113,12 @@ def half_tail(name: str, tiles: int, overrides: dict) -> bool:
     debug = bool(overrides.get(f"{name}.debug_break"))
     want = int(overrides.get(key, FP8_HALF_TAIL if tiles == FP8_WIDE_B_TILES and not debug else 0))
     if want not in (0, 1):
-        raise_plan_error(f"override {key} must be 0 or 1, got {want}")
+        raise PlanError(f"override {key} must be 0 or 1, got {want}")
     if want and tiles != FP8_WIDE_B_TILES:
-        raise_plan_error(f"override {key}: only wide tiles ({name}.tile_n {FP8_WIDE_B_TILES * FP8_TILE_N}) "
+        raise PlanError(f"override {key}: only wide tiles ({name}.tile_n {FP8_WIDE_B_TILES * FP8_TILE_N}) "
                          "load half of A")
     if want and debug:  # (the debug stall sits in the full-tile load)
-        raise_plan_error(f"override {key} does not combine with {name}.debug_break")
+        raise PlanError(f"override {key} does not combine with {name}.debug_break")
     return bool(want)
 
 
@@ -135,16 +135,16 @@ def b_tiles(name: str, n_size: int, cluster: int, overrides: dict) -> tuple[int,
     fits = n_size % wide == 0 and cluster == 1
     want = int(overrides.get(key, wide if fits else FP8_TILE_N))
     if want not in (FP8_TILE_N, wide):
-        raise_plan_error(f"override {key} must be {FP8_TILE_N} or {wide}, got {want}")
+        raise PlanError(f"override {key} must be {FP8_TILE_N} or {wide}, got {want}")
     src = " (override)" if key in overrides else ""
     if want == FP8_TILE_N:
         why = "" if src else f" ({n_size} columns are not a multiple of {wide})" if n_size % wide else \
             " (clusters take 128-wide tiles)"
         return 1, f"{name}: {FP8_TILE_M} x {FP8_TILE_N} tiles, two block accumulators per warpgroup{src or why}"
     if n_size % wide:
-        raise_plan_error(f"override {key}: {n_size} columns are not a multiple of {wide}")
+        raise PlanError(f"override {key}: {n_size} columns are not a multiple of {wide}")
     if cluster > 1:
-        raise_plan_error(f"override {key}: {wide}-wide tiles do not take clusters ({name}.cluster)")
+        raise PlanError(f"override {key}: {wide}-wide tiles do not take clusters ({name}.cluster)")
     return FP8_WIDE_B_TILES, (f"{name}: {FP8_TILE_M} x {wide} tiles ({FP8_WIDE_B_TILES} weight tiles per unit), one "
                               f"block accumulator per warpgroup{src}")
 
@@ -157,17 +157,13 @@ def cluster_n(name: str, units_n: int, overrides: dict) -> tuple[int, str]:
     key = f"{name}.cluster"
     want = int(overrides.get(key, 1))
     if want not in (1, 2):
-        raise_plan_error(f"override {key} must be 1 or 2, got {want}")
+        raise PlanError(f"override {key} must be 1 or 2, got {want}")
     if want == 1:
         return 1, f"{name}: no cluster" + (" (override)" if key in overrides else
                                            " (A multicast over 2-CTA clusters measured no faster)")
     if units_n % 2:
-        raise_plan_error(f"override {key}: {units_n} units per M tile do not pair up")
+        raise PlanError(f"override {key}: {units_n} units per M tile do not pair up")
     return 2, f"{name}: clusters of 2 CTAs on the units of one M tile, A multicast to both (override)"
-
-
-def raise_plan_error(message: str):
-    raise PlanError(message)
 
 
 def k_unroll(name: str, k_blocks: int, passes: int, overrides: dict, wide: bool = False) -> tuple[int, str]:

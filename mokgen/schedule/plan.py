@@ -330,8 +330,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
     elif paths.fuse:
         bands, rows = single_launches(gemm, gateup, spec, target, row_tile, paths, counters, dparams, ov, kernels,
                                       buffers, steps, decisions, m_tiles, rows)
+    s_tiles = sympy.ceiling(T / row_tile)  # the shared expert's M tiles (SHARED_ROWS' ST)
     if S:
-        s_tiles = sympy.ceiling(T / row_tile)
         buffers += [Buffer("hs", "bf16", ["T", str(S)]), Buffer("ys", "bf16", ["T", str(H)])]
     if S and paths.kind != "fused":
         buffers.append(Buffer("shared_tiles", "i32", [_expr(s_tiles)], init="zeros"))
@@ -383,7 +383,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         if ep and exchange[1]:
             side_stream += ["ep_send_bwd", "ep_send_bwd_grad", "ep_send_bwd_x", "ep_return_bwd"]
     launch_policies(kernels, spec, target, paths, counters, ov, decisions)
-    profiling(kernels, steps, buffers, spec, target, m_tiles, row_tile, chunked, ov, decisions)
+    profiling(kernels, steps, buffers, spec, target, m_tiles, s_tiles, chunked, ov, decisions)
 
     steps["route"] = ["route"]
     steps["route_backward"] = ["route_backward"]
@@ -933,7 +933,7 @@ def launch_policies(kernels: list, spec: MoESpec, target: Target, paths: Paths, 
             decisions.append(f"{', '.join(marked)} (and their routing twins): {what}")
 
 
-def profiling(kernels: list, steps: dict, buffers: list, spec: MoESpec, target: Target, m_tiles, row_tile: int,
+def profiling(kernels: list, steps: dict, buffers: list, spec: MoESpec, target: Target, m_tiles, s_tiles,
               chunked: bool, ov: dict, decisions: list) -> None:
     """Every template reads the `profile` flag; in a profiling build (override profile) the
     forward paths' kernels (the per-GEMM path, the single launch and its bands by T; not the
@@ -946,7 +946,6 @@ def profiling(kernels: list, steps: dict, buffers: list, spec: MoESpec, target: 
     if not profile:
         return
     E, K = spec.local_experts, spec.topk
-    s_tiles = sympy.ceiling(T / row_tile)
     d_tasks = sympy.ceiling(T * K / CHUNK_PAIRS) if chunked else sympy.Integer(E)  # one per dispatch CTA
     tasks = {"dispatch_count": d_tasks, "dispatch_scatter": d_tasks, "combine": T}
     for k in kernels:
