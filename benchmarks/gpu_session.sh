@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
 # Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [anchor] [twogpu] [exp NAME VARIANT T,T,..] [profile VARIANT T]
+#        [ncu VARIANT PATH T]
 #   train: forward+backward bench (E64 at T=4096,16384) and the training demo's loss curves (bf16, then FP8)
 #   twogpu: needs two GPUs of one host: the expert-parallel, multi-node and FP8 golden tests over both, then
 #           the expert-parallel forward and forward+backward bench and the FP8 layer beside bf16 over both
 #           (builds: python benchmarks/stage_builds.py DEST --set twogpu, MOKGEN_HOME=DEST)
+#   ncu: Nsight Compute's counters for one forward call of PATH (one_launch, multi, apart) at T tokens
+#        (benchmarks/ncu_call.py: time, DRAM and L2 bytes, the bytes into the SMs, per kernel)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
 #           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)
 set -uo pipefail
@@ -36,6 +39,14 @@ while [ $# -gt 0 ]; do
     exp) timeout 200 python3 benchmarks/compare_experiment.py "$2" --variant "$3" --tokens "$4" \
            --json "$OUT/exp-$2-$3.json" 2>&1 | tee -a "$OUT/bench.log"; shift 4 ;;
     profile) timeout 90 python3 benchmarks/profile_stages.py "$2" "$3" 2>&1 | grep -E "kernel_|Name" | cut -c1-62,150-200 | tee -a "$OUT/prof.log"; shift 3 ;;
+    ncu)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+      C="$OUT/ncu-$3-$4.csv"
+      timeout 240 "$NCU" --profile-from-start off --clock-control none --print-units base --csv \
+        --metrics "$(python3 benchmarks/ncu_call.py --metrics)" \
+        python3 benchmarks/ncu_call.py --variant "$2" --path "$3" --tokens "$4" > "$C" 2> "${C%.csv}.err"
+      echo "== ncu: $2 $3 T=$4" | tee -a "$OUT/ncu.log"
+      python3 benchmarks/ncu_call.py --summary "$C" 2>&1 | tee -a "$OUT/ncu.log"; shift 4 ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

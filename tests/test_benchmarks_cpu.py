@@ -165,3 +165,24 @@ def test_plan_fingerprints_tell_a_changed_plan_and_a_changed_refusal():
     after = {"x": a, "y": "error PlanError: other words", "new": a}
     assert compare(before, before) == []
     assert [line.split(":")[0] for line in compare(before, after)] == ["gone", "new", "y"]
+
+
+def test_ncu_call_summarises_each_kernels_bytes_and_rate(tmp_path):
+    """ncu_call.py --summary reads ncu's CSV (one row per metric, its log lines before) back into
+    one line per kernel: the bytes into the SMs over the kernel's time is the rate it prints."""
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n')
+    rows = [("0", "kernel_gemm_fused", "gpu__time_duration.sum", "nsecond", "250,000"),
+            ("0", "kernel_gemm_fused", "l1tex__m_xbar2l1tex_read_bytes.sum", "byte", "1,500,000,000"),
+            ("0", "kernel_gemm_fused", "sm__cycles_elapsed.avg.per_second", "cycle/second", "1,500,000,000"),
+            ("1", "kernel_combine", "gpu__time_duration.sum", "nsecond", "10,000")]
+    csv = tmp_path / "n.csv"
+    csv.write_text("==PROF== Connected to process 1\n" + head + "".join(
+        f'"{i}","1","python3","h","{k}","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler '
+        f'metrics","{m}","{u}","{v}"\n' for i, k, m, u, v in rows))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_call.py"), "--summary", str(csv)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    fused = next(ln for ln in r.stdout.splitlines() if ln.startswith("kernel_gemm_fused")).split()
+    assert fused[1:3] == ["250.0", "1500"] and fused[5:7] == ["1500.0", "6.00"]
+    assert r.stdout.splitlines()[-1].split()[1] == "260.0"  # the call: both kernels' time

@@ -1,0 +1,107 @@
+"""One forward call of one path, bracketed for Nsight Compute: what a launch moves and where.
+
+    ncu --profile-from-start off --clock-control none --print-units base --csv \\
+        --metrics $(python benchmarks/ncu_call.py --metrics) \\
+        python benchmarks/ncu_call.py [--variant V] [--path one_launch|multi|apart] [--tokens T]
+    python benchmarks/ncu_call.py --summary FILE.csv   # per kernel: time, bytes, TB/s
+
+The call is made three times first (loads, workspace, L2 state like a steady stream of calls);
+only the fourth runs between cudaProfilerStart and cudaProfilerStop, so `--profile-from-start
+off` profiles that call's kernels alone. Routing as `small_t.py`'s (router logits, seeded by T).
+`METRICS` is the list `gpu_session.sh ncu` passes; `--summary` reads ncu's CSV back and prints
+each kernel's duration, DRAM and L2 bytes, the bytes delivered from L2 into the SMs and their
+rate, and the tensor pipe's activity.
+"""
+import argparse
+import csv
+import sys
+
+METRICS = ",".join([
+    "gpu__time_duration.sum",
+    "sm__cycles_elapsed.avg.per_second",
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
+    "lts__t_bytes.sum",
+    "l1tex__m_xbar2l1tex_read_bytes.sum",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+])
+
+# ncu's units (with --print-units base: byte, nsecond, cycle/second), to bytes, seconds and Hz
+UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6,
+         "msecond": 1e-3, "second": 1.0, "cycle/second": 1.0, "cycle/usecond": 1e6, "cycle/nsecond": 1e9,
+         "hz": 1.0, "Khz": 1e3, "Mhz": 1e6, "Ghz": 1e9, "%": 1.0}
+
+
+def summary(path: str) -> None:
+    """Print one line per profiled kernel from ncu's --csv output (one row per metric)."""
+    kernels: dict = {}
+    with open(path) as f:
+        lines = [ln for ln in f if ln.startswith('"')]  # ncu's own log lines come first
+    for row in csv.DictReader(lines):
+        k = kernels.setdefault(row["ID"], {"name": row["Kernel Name"][:48]})
+        value = row["Metric Value"].replace(",", "")
+        unit = row["Metric Unit"]
+        k[row["Metric Name"]] = float(value) * UNITS.get(unit, 1.0)
+    print(f"{'kernel':48s} {'us':>8s} {'MHz':>6s} {'DRAM MB':>8s} {'L2 MB':>8s} {'into SMs MB':>11s} "
+          f"{'TB/s':>6s} {'tensor %':>8s}")
+    total = {"t": 0.0, "dram": 0.0, "l2": 0.0, "xbar": 0.0}
+    for k in kernels.values():
+        t = k.get("gpu__time_duration.sum", 0.0)
+        dram = k.get("dram__bytes_read.sum", 0.0) + k.get("dram__bytes_write.sum", 0.0)
+        l2, xbar = k.get("lts__t_bytes.sum", 0.0), k.get("l1tex__m_xbar2l1tex_read_bytes.sum", 0.0)
+        for key, v in zip(total, (t, dram, l2, xbar)):
+            total[key] += v
+        print(f"{k['name']:48s} {t * 1e6:8.1f} {k.get('sm__cycles_elapsed.avg.per_second', 0) / 1e6:6.0f} "
+              f"{dram / 1e6:8.1f} {l2 / 1e6:8.1f} {xbar / 1e6:11.1f} {xbar / max(t, 1e-12) / 1e12:6.2f} "
+              f"{k.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active', 0):8.1f}")
+    t = total["t"]
+    print(f"{'all':48s} {t * 1e6:8.1f} {'':6s} {total['dram'] / 1e6:8.1f} {total['l2'] / 1e6:8.1f} "
+          f"{total['xbar'] / 1e6:11.1f} {total['xbar'] / max(t, 1e-12) / 1e12:6.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", default="e64_k8_h2048_i1024_bf16_sm90a")
+    ap.add_argument("--path", default="one_launch", choices=("one_launch", "multi", "apart"))
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--summary", metavar="CSV", help="summarise ncu's --csv output instead of running")
+    ap.add_argument("--metrics", action="store_true", help="print the metric list for ncu and exit")
+    args = ap.parse_args()
+    if args.metrics:
+        print(METRICS)
+        return
+    if args.summary:
+        summary(args.summary)
+        return
+
+    import torch
+
+    import mokgen
+    from mokgen.codegen import default_out
+    from mokgen.runtime import Variant
+    from mokgen.verify import make_inputs
+
+    v = plain = mokgen.load(args.variant)
+    if args.path != "one_launch":
+        path = default_out() / "experiments" / args.path / args.variant
+        if not (path / "build" / "libmokgen.so").exists():
+            sys.exit(f"{path} is not built: run benchmarks/build_gpu_variants.py")
+        v = Variant(path)
+    T = args.tokens
+    gen = torch.Generator("cuda").manual_seed(T)
+    x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, T, "uniform", gen)
+    logits = torch.randn(T, v.spec.experts, device="cuda", generator=gen)
+    ids, w = plain.route(logits)  # the routing small_t.py gives every path
+    for _ in range(3):
+        v.forward(x, ids, w, wg, wu, wd, *shared)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    v.forward(x, ids, w, wg, wu, wd, *shared)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    v.check_errors()
+    print(f"profiled one {args.path} call of {args.variant} at T={T}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
