@@ -26,10 +26,11 @@ METRICS = ",".join([
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
 ])
 
-# ncu's units (with --print-units base: byte, nsecond, cycle/second), to bytes, seconds and Hz
-UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6,
-         "msecond": 1e-3, "second": 1.0, "cycle/second": 1.0, "cycle/usecond": 1e6, "cycle/nsecond": 1e9,
-         "hz": 1.0, "Khz": 1e3, "Mhz": 1e6, "Ghz": 1e9, "%": 1.0}
+# ncu's units to bytes, seconds and Hz (--print-units base gives byte, ns and hz; the others are
+# what it prints without that flag)
+UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "ns": 1e-9, "us": 1e-6, "ms": 1e-3,
+         "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "hz": 1.0, "Khz": 1e3, "Mhz": 1e6, "Ghz": 1e9,
+         "cycle/nsecond": 1e9, "%": 1.0}
 
 
 def summary(path: str) -> None:
@@ -41,7 +42,9 @@ def summary(path: str) -> None:
         k = kernels.setdefault(row["ID"], {"name": row["Kernel Name"][:48]})
         value = row["Metric Value"].replace(",", "")
         unit = row["Metric Unit"]
-        k[row["Metric Name"]] = float(value) * UNITS.get(unit, 1.0)
+        if unit not in UNITS:
+            sys.exit(f"{path}: unit {unit!r} of {row['Metric Name']} is not one this summary knows")
+        k[row["Metric Name"]] = float(value) * UNITS[unit]
     print(f"{'kernel':48s} {'us':>8s} {'MHz':>6s} {'DRAM MB':>8s} {'L2 MB':>8s} {'into SMs MB':>11s} "
           f"{'TB/s':>6s} {'tensor %':>8s}")
     total = {"t": 0.0, "dram": 0.0, "l2": 0.0, "xbar": 0.0}

@@ -172,10 +172,10 @@ def test_ncu_call_summarises_each_kernels_bytes_and_rate(tmp_path):
     one line per kernel: the bytes into the SMs over the kernel's time is the rate it prints."""
     head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
             '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n')
-    rows = [("0", "kernel_gemm_fused", "gpu__time_duration.sum", "nsecond", "250,000"),
+    rows = [("0", "kernel_gemm_fused", "gpu__time_duration.sum", "ns", "250,000"),
             ("0", "kernel_gemm_fused", "l1tex__m_xbar2l1tex_read_bytes.sum", "byte", "1,500,000,000"),
-            ("0", "kernel_gemm_fused", "sm__cycles_elapsed.avg.per_second", "cycle/second", "1,500,000,000"),
-            ("1", "kernel_combine", "gpu__time_duration.sum", "nsecond", "10,000")]
+            ("0", "kernel_gemm_fused", "sm__cycles_elapsed.avg.per_second", "hz", "1,500,000,000.00"),
+            ("1", "kernel_combine", "gpu__time_duration.sum", "usecond", "10")]
     csv = tmp_path / "n.csv"
     csv.write_text("==PROF== Connected to process 1\n" + head + "".join(
         f'"{i}","1","python3","h","{k}","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler '
