@@ -10,7 +10,8 @@ only the fourth runs between cudaProfilerStart and cudaProfilerStop, so `--profi
 off` profiles that call's kernels alone. Routing as `small_t.py`'s (router logits, seeded by T).
 `METRICS` is the list `gpu_session.sh ncu` passes; `--summary` reads ncu's CSV back and prints
 each kernel's duration, DRAM and L2 bytes, the bytes delivered from L2 into the SMs and their
-rate, and the tensor pipe's activity.
+rate, the tensor pipe's activity, and the bytes across the fabric between the L2's two
+partitions with how busy it was.
 """
 import argparse
 import csv
@@ -24,13 +25,18 @@ METRICS = ",".join([
     "lts__t_bytes.sum",
     "l1tex__m_xbar2l1tex_read_bytes.sum",
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    # the fabric between the L2's two partitions: it carries the lines homed in the far one, about
+    # half of a weight stream from DRAM, and is what bounds the single launch (docs/perf.md)
+    "lts__ltcfabric2ltc_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "lts__t_sectors_srcunit_ltcfabric.sum",
 ])
+SECTOR = 32  # bytes
 
 # ncu's units to bytes, seconds and Hz (--print-units base gives byte, ns and hz; the others are
 # what it prints without that flag)
 UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "ns": 1e-9, "us": 1e-6, "ms": 1e-3,
          "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "hz": 1.0, "Khz": 1e3, "Mhz": 1e6, "Ghz": 1e9,
-         "cycle/nsecond": 1e9, "%": 1.0}
+         "cycle/nsecond": 1e9, "%": 1.0, "sector": 1.0}
 
 
 def summary(path: str) -> None:
@@ -38,6 +44,8 @@ def summary(path: str) -> None:
     kernels: dict = {}
     with open(path) as f:
         lines = [ln for ln in f if ln.startswith('"')]  # ncu's own log lines come first
+    if not lines:
+        sys.exit(f"{path}: no metric rows (did ncu profile a kernel? its log says why not)")
     for row in csv.DictReader(lines):
         k = kernels.setdefault(row["ID"], {"name": row["Kernel Name"][:48]})
         value = row["Metric Value"].replace(",", "")
@@ -46,20 +54,22 @@ def summary(path: str) -> None:
             sys.exit(f"{path}: unit {unit!r} of {row['Metric Name']} is not one this summary knows")
         k[row["Metric Name"]] = float(value) * UNITS[unit]
     print(f"{'kernel':48s} {'us':>8s} {'MHz':>6s} {'DRAM MB':>8s} {'L2 MB':>8s} {'into SMs MB':>11s} "
-          f"{'TB/s':>6s} {'tensor %':>8s}")
-    total = {"t": 0.0, "dram": 0.0, "l2": 0.0, "xbar": 0.0}
+          f"{'TB/s':>6s} {'tensor %':>8s} {'fabric MB':>9s} {'fabric %':>8s}")
+    total = {"t": 0.0, "dram": 0.0, "l2": 0.0, "xbar": 0.0, "fabric": 0.0}
     for k in kernels.values():
         t = k.get("gpu__time_duration.sum", 0.0)
         dram = k.get("dram__bytes_read.sum", 0.0) + k.get("dram__bytes_write.sum", 0.0)
         l2, xbar = k.get("lts__t_bytes.sum", 0.0), k.get("l1tex__m_xbar2l1tex_read_bytes.sum", 0.0)
-        for key, v in zip(total, (t, dram, l2, xbar)):
+        fabric = k.get("lts__t_sectors_srcunit_ltcfabric.sum", 0.0) * SECTOR
+        for key, v in zip(total, (t, dram, l2, xbar, fabric)):
             total[key] += v
         print(f"{k['name']:48s} {t * 1e6:8.1f} {k.get('sm__cycles_elapsed.avg.per_second', 0) / 1e6:6.0f} "
               f"{dram / 1e6:8.1f} {l2 / 1e6:8.1f} {xbar / 1e6:11.1f} {xbar / max(t, 1e-12) / 1e12:6.2f} "
-              f"{k.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active', 0):8.1f}")
+              f"{k.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active', 0):8.1f} "
+              f"{fabric / 1e6:9.1f} {k.get('lts__ltcfabric2ltc_cycles_active.avg.pct_of_peak_sustained_elapsed', 0):8.1f}")
     t = total["t"]
     print(f"{'all':48s} {t * 1e6:8.1f} {'':6s} {total['dram'] / 1e6:8.1f} {total['l2'] / 1e6:8.1f} "
-          f"{total['xbar'] / 1e6:11.1f} {total['xbar'] / max(t, 1e-12) / 1e12:6.2f}")
+          f"{total['xbar'] / 1e6:11.1f} {total['xbar'] / max(t, 1e-12) / 1e12:6.2f} {'':8s} {total['fabric'] / 1e6:9.1f}")
 
 
 def main() -> None:

@@ -175,6 +175,9 @@ def test_ncu_call_summarises_each_kernels_bytes_and_rate(tmp_path):
     rows = [("0", "kernel_gemm_fused", "gpu__time_duration.sum", "ns", "250,000"),
             ("0", "kernel_gemm_fused", "l1tex__m_xbar2l1tex_read_bytes.sum", "byte", "1,500,000,000"),
             ("0", "kernel_gemm_fused", "sm__cycles_elapsed.avg.per_second", "hz", "1,500,000,000.00"),
+            ("0", "kernel_gemm_fused", "lts__t_sectors_srcunit_ltcfabric.sum", "sector", "15,000,000"),
+            ("0", "kernel_gemm_fused", "lts__ltcfabric2ltc_cycles_active.avg.pct_of_peak_sustained_elapsed", "%",
+             "84.1"),
             ("1", "kernel_combine", "gpu__time_duration.sum", "usecond", "10")]
     csv = tmp_path / "n.csv"
     csv.write_text("==PROF== Connected to process 1\n" + head + "".join(
@@ -184,5 +187,5 @@ def test_ncu_call_summarises_each_kernels_bytes_and_rate(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     fused = next(ln for ln in r.stdout.splitlines() if ln.startswith("kernel_gemm_fused")).split()
-    assert fused[1:3] == ["250.0", "1500"] and fused[5:7] == ["1500.0", "6.00"]
+    assert fused[1:3] == ["250.0", "1500"] and fused[5:7] == ["1500.0", "6.00"] and fused[8:10] == ["480.0", "84.1"]
     assert r.stdout.splitlines()[-1].split()[1] == "260.0"  # the call: both kernels' time
