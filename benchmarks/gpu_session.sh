@@ -6,7 +6,7 @@
 #   twogpu: needs two GPUs of one host: the expert-parallel, multi-node and FP8 golden tests over both, then
 #           the expert-parallel forward and forward+backward bench and the FP8 layer beside bf16 over both
 #           (builds: python benchmarks/stage_builds.py DEST --set twogpu, MOKGEN_HOME=DEST)
-#   ncu: Nsight Compute's counters for one forward call of PATH (one_launch, multi, apart) at T tokens
+#   ncu: Nsight Compute's counters for one call of PATH (one_launch, multi, apart; train: forward + backward) at T tokens
 #        (benchmarks/ncu_call.py: time, DRAM and L2 bytes, the bytes into the SMs, per kernel)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
 #           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)

@@ -1,13 +1,14 @@
-"""One forward call of one path, bracketed for Nsight Compute: what a launch moves and where.
+"""One call of one path, bracketed for Nsight Compute: what a launch moves and where.
 
     ncu --profile-from-start off --clock-control none --print-units base --csv \\
         --metrics $(python benchmarks/ncu_call.py --metrics) \\
-        python benchmarks/ncu_call.py [--variant V] [--path one_launch|multi|apart] [--tokens T]
+        python benchmarks/ncu_call.py [--variant V] [--path one_launch|multi|apart|train] [--tokens T]
     python benchmarks/ncu_call.py --summary FILE.csv   # per kernel: time, bytes, TB/s
 
 The call is made three times first (loads, workspace, L2 state like a steady stream of calls);
 only the fourth runs between cudaProfilerStart and cudaProfilerStop, so `--profile-from-start
 off` profiles that call's kernels alone. Routing as `small_t.py`'s (router logits, seeded by T).
+`train` is the training step: autograd's forward (forward_train) and the backward it saves for.
 `METRICS` is the list `gpu_session.sh ncu` passes; `--summary` reads ncu's CSV back and prints
 each kernel's duration, DRAM and L2 bytes, the bytes delivered from L2 into the SMs and their
 rate, the tensor pipe's activity, and the bytes across the fabric between the L2's two
@@ -75,7 +76,7 @@ def summary(path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", default="e64_k8_h2048_i1024_bf16_sm90a")
-    ap.add_argument("--path", default="one_launch", choices=("one_launch", "multi", "apart"))
+    ap.add_argument("--path", default="one_launch", choices=("one_launch", "multi", "apart", "train"))
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--summary", metavar="CSV", help="summarise ncu's --csv output instead of running")
     ap.add_argument("--metrics", action="store_true", help="print the metric list for ncu and exit")
@@ -95,7 +96,7 @@ def main() -> None:
     from mokgen.verify import make_inputs
 
     v = plain = mokgen.load(args.variant)
-    if args.path != "one_launch":
+    if args.path not in ("one_launch", "train"):
         path = default_out() / "experiments" / args.path / args.variant
         if not (path / "build" / "libmokgen.so").exists():
             sys.exit(f"{path} is not built: run benchmarks/build_gpu_variants.py")
@@ -105,11 +106,18 @@ def main() -> None:
     x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, T, "uniform", gen)
     logits = torch.randn(T, v.spec.experts, device="cuda", generator=gen)
     ids, w = plain.route(logits)  # the routing small_t.py gives every path
+    def call():
+        if args.path != "train":
+            return v.forward(x, ids, w, wg, wu, wd, *shared)
+        out, *saved = v.forward_train(x, ids, w, wg, wu, wd, *shared)
+        return v.backward(dout, x, ids, w, wg, wu, wd, *shared, saved=saved)
+
+    dout = torch.randn(T, v.spec.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     for _ in range(3):
-        v.forward(x, ids, w, wg, wu, wd, *shared)
+        call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    v.forward(x, ids, w, wg, wu, wd, *shared)
+    call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     v.check_errors()
