@@ -18,14 +18,11 @@ included).
 """
 import argparse
 import json
-import sys
 
 import torch
 
 import mokgen
-from mokgen.bench import _capture, baseline_weights, time_rounds, torch_grouped_mm
-from mokgen.codegen import default_out
-from mokgen.runtime import Variant
+from mokgen.bench import _capture, baseline_weights, experiment_build, time_rounds, torch_grouped_mm
 from mokgen.verify import make_inputs
 
 ap = argparse.ArgumentParser()
@@ -42,10 +39,7 @@ spec = plain.spec
 names = args.name.split(",")
 exps = {}
 for name in names:
-    path = default_out() / "experiments" / name / args.variant
-    if not (path / "build" / "libmokgen.so").exists():
-        sys.exit(f"{path} is not built: run benchmarks/build_gpu_variants.py")
-    exps[name] = Variant(path)
+    exps[name] = experiment_build(name, args.variant)
 rows = []
 for T in [int(t) for t in args.tokens.split(",")]:
     x, ids, w, wg, wu, wd, shared = make_inputs(spec, T, "uniform", torch.Generator("cuda").manual_seed(T))

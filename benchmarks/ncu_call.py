@@ -91,21 +91,18 @@ def main() -> None:
     import torch
 
     import mokgen
-    from mokgen.codegen import default_out
-    from mokgen.runtime import Variant
+    from mokgen.bench import experiment_build
     from mokgen.verify import make_inputs
 
     v = plain = mokgen.load(args.variant)
     if args.path not in ("one_launch", "train"):
-        path = default_out() / "experiments" / args.path / args.variant
-        if not (path / "build" / "libmokgen.so").exists():
-            sys.exit(f"{path} is not built: run benchmarks/build_gpu_variants.py")
-        v = Variant(path)
+        v = experiment_build(args.path, args.variant)
     T = args.tokens
     gen = torch.Generator("cuda").manual_seed(T)
     x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, T, "uniform", gen)
     logits = torch.randn(T, v.spec.experts, device="cuda", generator=gen)
     ids, w = plain.route(logits)  # the routing small_t.py gives every path
+
     def call():
         if args.path != "train":
             return v.forward(x, ids, w, wg, wu, wd, *shared)

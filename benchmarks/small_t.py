@@ -16,14 +16,11 @@ CUDA graph, 10 warm-ups and the median of 50 CUDA-event timed calls, in interlea
 """
 import argparse
 import json
-import sys
 
 import torch
 
 import mokgen
-from mokgen.bench import _capture, baseline_weights, time_rounds, torch_grouped_mm
-from mokgen.codegen import default_out
-from mokgen.runtime import Variant
+from mokgen.bench import _capture, baseline_weights, experiment_build, time_rounds, torch_grouped_mm
 from mokgen.verify import make_inputs
 
 ap = argparse.ArgumentParser()
@@ -37,10 +34,7 @@ plain = mokgen.load(args.variant)
 spec = plain.spec
 builds = {}
 for name in ("multi", "apart"):
-    path = default_out() / "experiments" / name / args.variant
-    if not (path / "build" / "libmokgen.so").exists():
-        sys.exit(f"{path} is not built: run benchmarks/build_gpu_variants.py")
-    builds[name] = Variant(path)
+    builds[name] = experiment_build(name, args.variant)
 rows = []
 for T in [int(t) for t in args.tokens.split(",")]:
     if T > plain.plan.get("fused_max_tokens", 0):

@@ -50,6 +50,20 @@ def torch_loop(x, ids, w, wg, wu, wd, shared=None):
 BENCH_ROUNDS = 2
 
 
+def experiment_build(name: str, variant: str):
+    """The experiment build generated/experiments/NAME/VARIANT (benchmarks/build_gpu_variants.py
+    makes them), loaded; exits with what to run where it is not built."""
+    import sys
+
+    from .codegen import default_out
+    from .runtime import Variant
+
+    path = default_out() / "experiments" / name / variant
+    if not (path / "build" / "libmokgen.so").exists():
+        sys.exit(f"{path} is not built: run benchmarks/build_gpu_variants.py")
+    return Variant(path)
+
+
 def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     for _ in range(warmup):
         fn()
