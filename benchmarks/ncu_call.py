@@ -2,13 +2,15 @@
 
     ncu --profile-from-start off --clock-control none --print-units base --csv \\
         --metrics $(python benchmarks/ncu_call.py --metrics) \\
-        python benchmarks/ncu_call.py [--variant V] [--path one_launch|multi|apart|train] [--tokens T]
+        python benchmarks/ncu_call.py [--variant V] [--path one_launch|multi|apart|train] [--tokens T] [--build NAME]
     python benchmarks/ncu_call.py --summary FILE.csv   # per kernel: time, bytes, TB/s
 
 The call is made three times first (loads, workspace, L2 state like a steady stream of calls);
 only the fourth runs between cudaProfilerStart and cudaProfilerStop, so `--profile-from-start
 off` profiles that call's kernels alone. Routing as `small_t.py`'s (router logits, seeded by T).
 `train` is the training step: autograd's forward (forward_train) and the backward it saves for.
+`--build NAME` runs the experiment build NAME (benchmarks/build_gpu_variants.py) of the variant
+for one_launch or train.
 `METRICS` is the list `gpu_session.sh ncu` passes; `--summary` reads ncu's CSV back and prints
 each kernel's duration, DRAM and L2 bytes, the bytes delivered from L2 into the SMs and their
 rate, the tensor pipe's activity, and the bytes across the fabric between the L2's two
@@ -78,9 +80,12 @@ def main() -> None:
     ap.add_argument("--variant", default="e64_k8_h2048_i1024_bf16_sm90a")
     ap.add_argument("--path", default="one_launch", choices=("one_launch", "multi", "apart", "train"))
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--build", metavar="NAME", help="profile this experiment build (one_launch or train)")
     ap.add_argument("--summary", metavar="CSV", help="summarise ncu's --csv output instead of running")
     ap.add_argument("--metrics", action="store_true", help="print the metric list for ncu and exit")
     args = ap.parse_args()
+    if args.build and args.path not in ("one_launch", "train"):
+        ap.error("--build goes with --path one_launch or train (the other paths are experiment builds themselves)")
     if args.metrics:
         print(METRICS)
         return
@@ -97,6 +102,8 @@ def main() -> None:
     v = plain = mokgen.load(args.variant)
     if args.path not in ("one_launch", "train"):
         v = experiment_build(args.path, args.variant)
+    elif args.build:
+        v = experiment_build(args.build, args.variant)
     T = args.tokens
     gen = torch.Generator("cuda").manual_seed(T)
     x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, T, "uniform", gen)

@@ -189,3 +189,11 @@ def test_ncu_call_summarises_each_kernels_bytes_and_rate(tmp_path):
     fused = next(ln for ln in r.stdout.splitlines() if ln.startswith("kernel_gemm_fused")).split()
     assert fused[1:3] == ["250.0", "1500"] and fused[5:7] == ["1500.0", "6.00"] and fused[8:10] == ["480.0", "84.1"]
     assert r.stdout.splitlines()[-1].split()[1] == "260.0"  # the call: both kernels' time
+
+
+def test_ncu_call_refuses_a_build_for_a_path_that_is_a_build_itself():
+    """--build NAME profiles an experiment build on the one_launch or train path; the multi and
+    apart paths are experiment builds already, so asking for both is an error before any GPU work."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_call.py"), "--path", "multi", "--build", "x"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--build goes with --path one_launch or train" in r.stderr
