@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
 # Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [anchor] [twogpu] [exp NAME VARIANT T,T,..] [profile VARIANT T]
-#        [ncu VARIANT PATH T]
+#        [ncu VARIANT PATH T] [l2homes]
 #   train: forward+backward bench (E64 at T=4096,16384) and the training demo's loss curves (bf16, then FP8)
 #   twogpu: needs two GPUs of one host: the expert-parallel, multi-node and FP8 golden tests over both, then
 #           the expert-parallel forward and forward+backward bench and the FP8 layer beside bf16 over both
 #           (builds: python benchmarks/stage_builds.py DEST --set twogpu, MOKGEN_HOME=DEST)
 #   ncu: Nsight Compute's counters for one call of PATH (one_launch, multi, apart; train: forward + backward) at T tokens
 #        (benchmarks/ncu_call.py: time, DRAM and L2 bytes, the bytes into the SMs, per kernel)
+#   l2homes: which L2 partition holds each line, seen from one SM (benchmarks/l2_homes.cu: how fine the
+#            partition hash is, and whether it repeats from one 2 MB page to the next)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
 #           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)
 set -uo pipefail
@@ -47,6 +49,10 @@ while [ $# -gt 0 ]; do
         python3 benchmarks/ncu_call.py --variant "$2" --path "$3" --tokens "$4" > "$C" 2> "${C%.csv}.err"
       echo "== ncu: $2 $3 T=$4" | tee -a "$OUT/ncu.log"
       python3 benchmarks/ncu_call.py --summary "$C" 2>&1 | tee -a "$OUT/ncu.log"; shift 4 ;;
+    l2homes)
+      nvcc -arch=sm_90a -O2 -o "$OUT/l2_homes" benchmarks/l2_homes.cu \
+        && { timeout 60 "$OUT/l2_homes" 256 12; timeout 60 "$OUT/l2_homes" 4096 4; } 2>&1 | tee "$OUT/l2homes.log"
+      rm -f "$OUT/l2_homes"; shift ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

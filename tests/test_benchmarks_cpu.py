@@ -1,7 +1,10 @@
 """The benchmark scripts' own checks, which run before any GPU work (no GPU needed)."""
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -197,3 +200,18 @@ def test_ncu_call_refuses_a_build_for_a_path_that_is_a_build_itself():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_call.py"), "--path", "multi", "--build", "x"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--build goes with --path one_launch or train" in r.stderr
+
+
+def test_l2_homes_probe_compiles_and_checks_its_arguments(tmp_path):
+    """benchmarks/l2_homes.cu (the L2 partition probe, run on a GPU by gpu_session.sh l2homes)
+    builds for sm_90a, and refuses a stride that does not divide a 2 MB page before it touches
+    a GPU."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    exe = tmp_path / "l2_homes"
+    r = subprocess.run([nvcc, "-arch=sm_90a", "-O2", "-o", str(exe), str(ROOT / "benchmarks" / "l2_homes.cu")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(exe), "3", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "usage" in r.stdout
