@@ -99,11 +99,9 @@ def main() -> None:
     from mokgen.bench import experiment_build
     from mokgen.verify import make_inputs
 
-    v = plain = mokgen.load(args.variant)
-    if args.path not in ("one_launch", "train"):
-        v = experiment_build(args.path, args.variant)
-    elif args.build:
-        v = experiment_build(args.build, args.variant)
+    plain = mokgen.load(args.variant)
+    build = args.path if args.path in ("multi", "apart") else args.build  # (those paths are experiment builds)
+    v = experiment_build(build, args.variant) if build else plain
     T = args.tokens
     gen = torch.Generator("cuda").manual_seed(T)
     x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, T, "uniform", gen)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from ..ir import MoESpec
 from .records import SHARED_ROWS, VEC, WGMMA_ROWS, Buffer, KernelArg, KernelPlan, simt_threads
-
 from .target import Target
 
 # What the training forward hands to autograd for the backward: the SwiGLU inputs (routed,
