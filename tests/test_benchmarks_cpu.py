@@ -215,3 +215,14 @@ def test_l2_homes_probe_compiles_and_checks_its_arguments(tmp_path):
     assert r.returncode == 0, r.stderr
     r = subprocess.run([str(exe), "3", "1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "usage" in r.stdout
+
+
+def test_compare_training_needs_something_to_compare():
+    """compare_training.py refuses a run with neither experiment builds nor kernels to skip, and
+    token counts that are not integers, before it loads torch or touches a GPU."""
+    script = str(ROOT / "benchmarks" / "compare_training.py")
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "nothing to compare" in r.stderr
+    r = subprocess.run([sys.executable, script, "--skip", "bwd_swiglu", "--tokens", "x"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--tokens must be comma-separated integers" in r.stderr
