@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 from mokgen.codegen import TEMPLATE_DIR, render
+from mokgen.codegen.render import GEMM_PARTS
 from mokgen.ir import DEFAULT_PRESET, PRESETS, MoESpec
 from mokgen.schedule import make_plan
 
@@ -44,10 +45,11 @@ def test_rendered_modules_are_python_and_manifest_is_complete():
     # (and the templates those include: dispatch's phases and its chunks', which the dispatch kernels and the
     # fused launch run, route's phases, and the combine's piece, which the combine kernels and the fused
     # launch's combine phase sum with, and the error code's copy to the host, which the kernels that end an
-    # entry render)
+    # entry render, and the grouped GEMM's parts)
     assert set(m["templates"]) == {k.template for k in plan.kernels} | {"launch.c.j2", "dispatch_phases.py.j2",
                                                                         "dispatch_chunks.py.j2", "route_phases.py.j2",
-                                                                        "combine_piece.py.j2", "status_copy.py.j2"}
+                                                                        "combine_piece.py.j2", "status_copy.py.j2",
+                                                                        *GEMM_PARTS}
     assert set(m["templates"]) <= {p.name for p in TEMPLATE_DIR.glob("*.j2")}
     assert m["cute_dsl_version"] == "4.8.1" and m["plan"]["variant"] == spec.variant
 
@@ -61,3 +63,19 @@ def test_templates_take_their_numbers_from_the_plan():
     assert f"STAGES = {k.params['stages']}" in text
     k.params["stages"] = 3
     assert "STAGES = 3" in render(plan)["gemm_down.py"]
+
+
+def test_the_grouped_gemm_parts_are_what_its_template_includes():
+    """GEMM_PARTS (whose hashes the manifest records) names exactly the parts that
+    grouped_gemm_persistent.py.j2 includes beside the shared pieces other templates include
+    too, and each part says at its top which file it is part of."""
+    import jinja2
+    from jinja2 import meta
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)))
+    parent = "grouped_gemm_persistent.py.j2"
+    named = set(meta.find_referenced_templates(env.parse((TEMPLATE_DIR / parent).read_text())))
+    shared = {"bounded_wait.py.j2", "task_record.py.j2", "combine_piece.py.j2", "status_copy.py.j2"}
+    assert named - shared == set(GEMM_PARTS)
+    for part in GEMM_PARTS:
+        assert (TEMPLATE_DIR / part).read_text().startswith("{#- Part of " + parent)

@@ -48,6 +48,12 @@ def _context_key(template: str) -> str:
             "status_mirror.py.j2": "m"}[template]
 
 
+# The parts of grouped_gemm_persistent.py.j2, which it always includes: the device functions
+# its kernel calls, then its warp roles (each part's first lines say what it holds).
+GEMM_PARTS = tuple(f"gemm_{part}.py.j2" for part in ("tile_order", "waits", "dispatch_in_launch", "row_moves",
+                                                      "scheduler", "producer", "consumers", "after_tiles"))
+
+
 def _includes(k: KernelPlan) -> list[str]:
     """Templates a kernel's template includes (their hashes decide staleness too)."""
     ep_rows = k.template == "ep_exchange.py.j2" or k.params.get("ep_return") or k.params.get("send_in_gemm")
@@ -62,7 +68,8 @@ def _includes(k: KernelPlan) -> list[str]:
     task_record = k.params.get("profile") and k.template in ("dispatch.py.j2", "dispatch_chunked.py.j2",
                                                              "grouped_gemm_persistent.py.j2", "combine.py.j2")
     status_copy = k.template == "status_mirror.py.j2" or k.params.get("mirror_status")
-    return (["ep_rows.py.j2"] if ep_rows else []) + (["dispatch_phases.py.j2"] if phases else []) \
+    parts = list(GEMM_PARTS) if k.template == "grouped_gemm_persistent.py.j2" else []
+    return parts + (["ep_rows.py.j2"] if ep_rows else []) + (["dispatch_phases.py.j2"] if phases else []) \
         + (["dispatch_chunks.py.j2"] if chunks else []) \
         + (["route_phases.py.j2"] if route else []) + (["fp8_units.py.j2"] if fp8_units else []) \
         + (["fp8_block_tile.py.j2"] if fp8_tile else []) + (["fp8_divide.py.j2"] if fp8_divide else []) \
