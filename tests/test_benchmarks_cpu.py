@@ -170,6 +170,31 @@ def test_plan_fingerprints_tell_a_changed_plan_and_a_changed_refusal():
     assert [line.split(":")[0] for line in compare(before, after)] == ["gone", "new", "y"]
 
 
+def test_plan_fingerprints_with_sources_tell_a_changed_render(monkeypatch):
+    """plan_fingerprints.py write --sources (the guard of a template refactor): the rendered
+    tree's hash follows the Plan's, and compare says when only the sources differ."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plan_fingerprints
+    finally:
+        sys.path.pop(0)
+    from mokgen.ir import MoESpec
+
+    spec = MoESpec(experts=8, topk=2, hidden=256, intermediate=128)
+    a = plan_fingerprints.fingerprint(spec, None, sources=True)
+    plan_hash, src_hash = a.split(" ")
+    assert plan_hash == plan_fingerprints.fingerprint(spec, None)
+    assert len(src_hash) == 64 and a == plan_fingerprints.fingerprint(spec, None, sources=True)
+    real_render = plan_fingerprints.render
+    monkeypatch.setattr(plan_fingerprints, "render", lambda plan: {
+        **real_render(plan), "launch.c": real_render(plan)["launch.c"] + "// changed\n"})
+    b = plan_fingerprints.fingerprint(spec, None, sources=True)
+    assert b.split(" ")[0] == plan_hash and b != a
+    assert plan_fingerprints.compare({"x": a}, {"x": b})[0].startswith("x: the rendered sources:")
+    assert plan_fingerprints.compare({"x": a}, {"x": plan_hash})[0].startswith(
+        "x: sources fingerprinted on one side only")
+
+
 def test_ncu_call_summarises_each_kernels_bytes_and_rate(tmp_path):
     """ncu_call.py --summary reads ncu's CSV (one row per metric, its log lines before) back into
     one line per kernel: the bytes into the SMs over the kernel's time is the rate it prints."""
