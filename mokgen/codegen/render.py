@@ -49,9 +49,11 @@ def _context_key(template: str) -> str:
 
 
 # The parts of grouped_gemm_persistent.py.j2, which it always includes: the device functions
-# its kernel calls, then its warp roles (each part's first lines say what it holds).
+# its kernel calls, the host launch's body, the kernel's start, then its warp roles (each
+# part's first lines say what it holds).
 GEMM_PARTS = tuple(f"gemm_{part}.py.j2" for part in ("tile_order", "waits", "dispatch_in_launch", "row_moves",
-                                                      "scheduler", "producer", "consumers", "after_tiles"))
+                                                      "scheduler", "host_launch", "kernel_setup", "producer",
+                                                      "consumers", "after_tiles"))
 
 
 def _includes(k: KernelPlan) -> list[str]:
