@@ -491,7 +491,7 @@ def layout_params(spec: MoESpec, row_tile: int, status_slot: int, wait_timeout_n
 def layout_in_launch(fused: KernelPlan, spec: MoESpec, dparams: dict, layout: dict, overrides: dict,
                      buffers: list) -> str | None:
     """Make the expert-parallel single launch (make_single_launch) dispatch, publish and lay
-    out too (templates/grouped_gemm_persistent.py.j2, dispatch_in_launch): one launch from the
+    out too (templates/gemm_dispatch_in_launch.py.j2, dispatch_in_launch): one launch from the
     routing to the returned rows. Its CTAs count the global experts, CTA 0 publishes the
     counts, they place the same experts in the send order, wait for every rank's counts and
     lay out the same experts (the dispatch, publish and layout kernels' code, so the same

@@ -80,7 +80,7 @@ def fused_tile_order(task_graph: dict) -> list[str]:
 
 def wavefront_tile(tile: int, used_m: int, n_gateup: int, n_down: int, lag: int) -> tuple[str, int, int]:
     """(kind, M tile, N tile) of the single launch's claimed tile index `tile` in wavefront
-    order (templates/grouped_gemm_persistent.py.j2, fused_tile_at, computes the same): the
+    order (templates/gemm_tile_order.py.j2, fused_tile_at, computes the same): the
     gate/up tiles of the first `lag` M tiles, then per step j the gate/up tiles of M tile
     j + lag followed by the down tiles of M tile j, then the remaining down tiles. Every down
     tile comes after all gate/up tiles of its M tile (it waits on them: no deadlock), and down
