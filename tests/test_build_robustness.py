@@ -124,6 +124,7 @@ def test_a_plan_change_no_source_sees_rewrites_the_manifest_without_compiling(tm
     assert (path / "build" / "build.json").stat().st_mtime_ns != stamp
 
 
+@pytest.mark.compile  # (the keys hold the CuTe-DSL version: where it is not installed there is nothing to key)
 def test_kernel_keys_follow_every_input_of_a_kernels_compile(tmp_path, monkeypatch):
     """A kernel's key changes with its rendered module, its arguments, the target arch and the
     environment's CUTE_DSL_* settings, and with nothing another kernel has: so reuse_unchanged
