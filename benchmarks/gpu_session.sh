@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
 # Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [anchor] [twogpu] [exp NAME VARIANT T,T,..] [profile VARIANT T]
-#        [ncu VARIANT PATH T] [l2homes]
+#        [ncu VARIANT PATH T] [l2homes] [l2stream]
 #   train: forward+backward bench (E64 at T=4096,16384) and the training demo's loss curves (bf16, then FP8)
 #   twogpu: needs two GPUs of one host: the expert-parallel, multi-node and FP8 golden tests over both, then
 #           the expert-parallel forward and forward+backward bench and the FP8 layer beside bf16 over both
@@ -10,6 +10,8 @@
 #        (benchmarks/ncu_call.py: time, DRAM and L2 bytes, the bytes into the SMs, per kernel)
 #   l2homes: which L2 partition holds each line, seen from one SM (benchmarks/l2_homes.cu: how fine the
 #            partition hash is, and whether it repeats from one 2 MB page to the next)
+#   l2stream: whether SMs reading only the lines homed in their own L2 partition stream faster than SMs reading
+#             every line (benchmarks/l2_near_stream.cu: maps SMs and 4 KB granules to partitions, then times both)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
 #           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)
 set -uo pipefail
@@ -53,6 +55,10 @@ while [ $# -gt 0 ]; do
       nvcc -arch=sm_90a -O2 -o "$OUT/l2_homes" benchmarks/l2_homes.cu \
         && { timeout 60 "$OUT/l2_homes" 256 12; timeout 60 "$OUT/l2_homes" 4096 4; } 2>&1 | tee "$OUT/l2homes.log"
       rm -f "$OUT/l2_homes"; shift ;;
+    l2stream)
+      nvcc -arch=sm_90a -O2 -std=c++17 -o "$OUT/l2_near_stream" benchmarks/l2_near_stream.cu \
+        && timeout 120 "$OUT/l2_near_stream" 1024 2>&1 | tee "$OUT/l2stream.log"
+      rm -f "$OUT/l2_near_stream"; shift ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

@@ -1,0 +1,382 @@
+// Would reading only near-homed lines stream faster? (H100/H200: the L2's two partitions.)
+//
+//     nvcc -arch=sm_90a -O2 -o l2_near_stream benchmarks/l2_near_stream.cu && ./l2_near_stream [MiB]
+//
+// Why: the small calls' single launch is bound by the fabric between the L2's partitions
+// (docs/perf.md, "What bounds the single launch at T = 1024"). l2_homes.cu showed that a line's
+// home follows its address in runs of 4-8 KB and that a 2 MB page repeats the pattern of another
+// or its complement. So a tile scheduler could in principle hand each SM the weight rows homed
+// in its own partition, if it had a map. This program builds that map the slow way and asks the
+// question that decides whether it is worth having: do SMs that read only lines homed near them
+// move more bytes a second than SMs that read their share of every line?
+//
+// Phases:
+//   1. SMs by partition: SM 0 reads a fresh region per SM; each other SM then times one read of
+//      each line of its own region. An SM of SM 0's partition sees every line near; one of the
+//      other partition sees about half far (each region is read by one SM only, so no SM's copy
+//      of a line serves another).
+//   2. Granules by home: per 8 MB chunk of the buffer, SM 0 reads the first and last line of every
+//      4 KB granule, then the SMs of the other partition time them. Near means homed in their
+//      partition. It prints how often a granule's two lines disagree (is 4 KB the grain?) and how
+//      each 2 MB page's pattern compares with the first page's (the same, its complement, other).
+//   3. Streams: one block per SM reads a list of granules (16 B a thread, 4 granules in flight a
+//      block-iteration, 4 iterations unrolled). The lists: "mixed" (granule g to SM g mod SMs),
+//      "near" (the granules homed in an SM's partition, dealt over that partition's SMs) and "far"
+//      (homed in the other one). Each with reuse 1 (every granule read once: HBM's rate) and
+//      reuse 2 (each SM also reads a partner's granules, as the launch re-reads x and h rows:
+//      the second read is an L2 hit). Median of 11 timed launches; bytes into the SMs a second.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#define CHECK(x)                                                                       \
+    do {                                                                               \
+        cudaError_t e_ = (x);                                                          \
+        if (e_ != cudaSuccess) {                                                       \
+            std::printf("%s: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__);   \
+            std::exit(1);                                                              \
+        }                                                                              \
+    } while (0)
+
+constexpr int GRAIN = 4096;                      // bytes a granule: l2_homes' shortest run of one class
+constexpr int LINE = 128;                        // bytes an L2 line
+constexpr int PROBE_GRAINS = 32;                 // granules of each SM's region in phase 1
+constexpr int CHUNK_GRAINS = 2048;               // granules a phase-2 launch maps (8 MB: well inside L2)
+constexpr uint32_t FAR_CYCLES = 400;             // l2_homes: near lines take 250-350 cycles, far 430-550
+constexpr long long WAIT_CYCLES = 4000000000LL;  // a waiting SM gives up after this (about 2 s)
+constexpr int SMEM = 200 * 1024;                 // a launch-size smem request keeps one block per SM
+
+__device__ __forceinline__ uint32_t sm_id() {
+    uint32_t s;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+    return s;
+}
+
+// A relaxed load at GPU scope: never elided, served by L2, not L1.
+__device__ __forceinline__ uint32_t load_l2(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// One timed read of each of n addresses (base + offset(i)), each waiting for the one before.
+// offset is arithmetic, so nothing but the timed load sits between the clock reads.
+template <class Offset>
+__device__ uint32_t timed_reads(const char* base, Offset offset, int n, uint32_t* latency, uint32_t zero) {
+    uint32_t dep = 0, acc = 0;
+#pragma unroll 1
+    for (int i = 0; i < n; ++i) {
+        const char* p = base + offset(i);
+        const long long t0 = clock64();
+        const uint32_t v = load_l2(reinterpret_cast<const uint32_t*>(p) + dep);
+        dep = v & zero;
+        acc += v;
+        const long long t1 = clock64();  // issues after the dependent AND: after the load
+        latency[i] = uint32_t(t1 - t0) + dep;
+    }
+    return acc;
+}
+
+__device__ bool wait_flag(volatile int* flag) {
+    const long long start = clock64();
+    while (*flag == 0)
+        if (clock64() - start > WAIT_CYCLES) return false;
+    return true;
+}
+
+// Phase 1. region: sms * PROBE_GRAINS granules; latency: [sms][PROBE_GRAINS]; seen[s] = 1 when SM s ran.
+__global__ void map_sms(const char* region, volatile int* flag, uint32_t* latency, int* seen, uint32_t* sink,
+                        uint32_t zero) {
+    extern __shared__ char hold[];
+    const uint32_t me = sm_id();
+    uint32_t acc = 0;
+    if (me == 0) {
+        for (int i = threadIdx.x; i < int(gridDim.x) * PROBE_GRAINS; i += blockDim.x)
+            acc += load_l2(reinterpret_cast<const uint32_t*>(region + size_t(i) * GRAIN));
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            *flag = 1;
+            seen[0] = 1;
+        }
+    } else if (threadIdx.x == 0 && me < gridDim.x) {
+        if (atomicExch(seen + me, 1) == 0) {  // the first block on this SM probes
+            if (!wait_flag(flag)) {
+                latency[me * PROBE_GRAINS] = 0xffffffffu;
+                return;
+            }
+            const size_t first = size_t(me) * PROBE_GRAINS;
+            acc += timed_reads(region, [&](int i) { return (first + i) * GRAIN; }, PROBE_GRAINS,
+                               latency + me * PROBE_GRAINS, zero);
+        }
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+    hold[0] = 0;
+}
+
+// Phase 2, one chunk. SM 0 reads the first and last line of each granule; the SMs of the other
+// partition (rank[s] >= 0 among nb of them) time them. latency: [grains][2].
+__global__ void map_grains(const char* chunk, int grains, const int* rank, int nb, volatile int* flag,
+                           uint32_t* latency, uint32_t* sink, uint32_t zero) {
+    extern __shared__ char hold[];
+    const uint32_t me = sm_id();
+    uint32_t acc = 0;
+    if (me == 0) {
+        for (int i = threadIdx.x; i < grains * 2; i += blockDim.x)
+            acc += load_l2(reinterpret_cast<const uint32_t*>(chunk + size_t(i / 2) * GRAIN + (i % 2) * (GRAIN - LINE)));
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            *flag = 1;
+        }
+    } else if (threadIdx.x == 0 && me < gridDim.x && rank[me] >= 0) {
+        if (!wait_flag(flag)) return;  // the host sees latency 0 and reports it
+        const int r = rank[me];
+        const int n = min(64, 2 * ((grains - r + nb - 1) / nb));  // first and last line of each
+        uint32_t lat[64];
+        acc += timed_reads(chunk, [&](int i) { return size_t(r + (i / 2) * nb) * GRAIN + (i % 2) * (GRAIN - LINE); },
+                           n, lat, zero);
+        for (int i = 0, g = r; i < n; i += 2, g += nb) {
+            latency[2 * g] = lat[i];
+            latency[2 * g + 1] = lat[i + 1];
+        }
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+    hold[0] = 0;
+}
+
+// Phase 3. SM s reads granules list[off[s] .. off[s + 1]); done counts the SMs that ran.
+__global__ void __launch_bounds__(1024, 1)
+    stream(const uint4* buf, const int* list, const int* off, int* claimed, int* done, uint32_t* sink, int epoch) {
+    extern __shared__ char hold[];
+    __shared__ int mine;
+    const uint32_t me = sm_id();
+    if (threadIdx.x == 0) mine = me < gridDim.x && atomicExch(claimed + me, epoch) != epoch;
+    __syncthreads();
+    if (!mine) return;
+    const int b = off[me], e = off[me + 1];
+    constexpr int PER = GRAIN / 16;            // uint4s a granule
+    const int sub = threadIdx.x / PER;         // which of 4 granules an iteration reads
+    const int word = threadIdx.x % PER;
+    uint4 a0 = {0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0;
+    int i = b + sub;
+    for (; i + 12 < e; i += 16) {
+        const uint4 v0 = __ldcg(buf + size_t(list[i]) * PER + word);
+        const uint4 v1 = __ldcg(buf + size_t(list[i + 4]) * PER + word);
+        const uint4 v2 = __ldcg(buf + size_t(list[i + 8]) * PER + word);
+        const uint4 v3 = __ldcg(buf + size_t(list[i + 12]) * PER + word);
+        a0.x ^= v0.x; a0.y ^= v0.y; a0.z ^= v0.z; a0.w ^= v0.w;
+        a1.x ^= v1.x; a1.y ^= v1.y; a1.z ^= v1.z; a1.w ^= v1.w;
+        a2.x ^= v2.x; a2.y ^= v2.y; a2.z ^= v2.z; a2.w ^= v2.w;
+        a3.x ^= v3.x; a3.y ^= v3.y; a3.z ^= v3.z; a3.w ^= v3.w;
+    }
+    for (; i < e; i += 4) {
+        const uint4 v = __ldcg(buf + size_t(list[i]) * PER + word);
+        a0.x ^= v.x; a0.y ^= v.y; a0.z ^= v.z; a0.w ^= v.w;
+    }
+    a0.x ^= a1.x ^ a2.x ^ a3.x; a0.y ^= a1.y ^ a2.y ^ a3.y; a0.z ^= a1.z ^ a2.z ^ a3.z; a0.w ^= a1.w ^ a2.w ^ a3.w;
+    const uint32_t acc = a0.x ^ a0.y ^ a0.z ^ a0.w;  // every byte read feeds it: no load is narrowed
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(done, 1);
+    hold[0] = 0;
+}
+
+struct Lists {
+    std::vector<int> list, off;
+};
+
+// Deal each SM's granules: pick(s) gives the pool SM s draws from and its place among the SMs that share it.
+template <class Pick>
+Lists deal(int sms, int reuse, Pick pick) {
+    std::vector<std::vector<int>> own(sms);
+    for (int s = 0; s < sms; ++s) {
+        const auto [pool, at, of] = pick(s);
+        for (size_t k = at; k < pool->size(); k += of) own[s].push_back((*pool)[k]);
+    }
+    Lists l;
+    l.off.push_back(0);
+    for (int s = 0; s < sms; ++s) {
+        const auto [pool, at, of] = pick(s);
+        // The partner: the next SM drawing from the same pool, so a re-read stays in that pool's class.
+        int p = s;
+        for (int t = 1; t <= sms; ++t) {
+            const int c = (s + t) % sms;
+            if (std::get<0>(pick(c)) == pool) {
+                p = c;
+                break;
+            }
+        }
+        for (size_t k = 0; k < own[s].size(); ++k) {
+            l.list.push_back(own[s][k]);
+            if (reuse > 1 && k < own[p].size()) l.list.push_back(own[p][k]);
+        }
+        l.off.push_back(int(l.list.size()));
+    }
+    return l;
+}
+
+int main(int argc, char** argv) {
+    const size_t mib = argc > 1 ? std::strtoul(argv[1], nullptr, 10) : 1024;
+    int sms = 0;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const size_t grains = mib * (size_t(1) << 20) / GRAIN;
+    if (grains < size_t(CHUNK_GRAINS) || grains % CHUNK_GRAINS) {
+        std::printf("usage: %s [MiB: a multiple of 8]\n", argv[0]);
+        return 2;
+    }
+    char *raw = nullptr, *probe_raw = nullptr;
+    CHECK(cudaMalloc(&raw, grains * GRAIN + (2 << 20)));
+    CHECK(cudaMemset(raw, 0x5a, grains * GRAIN + (2 << 20)));
+    char* buf = reinterpret_cast<char*>((uintptr_t(raw) + (2 << 20) - 1) & ~uintptr_t((2 << 20) - 1));
+    CHECK(cudaMalloc(&probe_raw, size_t(sms) * PROBE_GRAINS * GRAIN));
+    int *flag, *seen, *rank_d, *claimed, *done;
+    uint32_t *lat_d, *sink;
+    CHECK(cudaMalloc(&flag, 4));
+    CHECK(cudaMalloc(&seen, sms * 4));
+    CHECK(cudaMalloc(&rank_d, sms * 4));
+    CHECK(cudaMalloc(&claimed, sms * 4));
+    CHECK(cudaMalloc(&done, 4));
+    CHECK(cudaMalloc(&sink, 4));
+    CHECK(cudaMalloc(&lat_d, size_t(std::max(sms * PROBE_GRAINS, CHUNK_GRAINS * 2)) * 4));
+    for (auto k : {(const void*)map_sms, (const void*)map_grains, (const void*)stream})
+        CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+
+    // Phase 1.
+    CHECK(cudaMemset(flag, 0, 4));
+    CHECK(cudaMemset(seen, 0, sms * 4));
+    CHECK(cudaMemset(lat_d, 0, size_t(sms) * PROBE_GRAINS * 4));
+    map_sms<<<sms, 32, SMEM>>>(probe_raw, flag, lat_d, seen, sink, 0u);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    std::vector<uint32_t> lat(size_t(sms) * PROBE_GRAINS);
+    std::vector<int> seen_h(sms), part(sms, -1), rank(sms, -1);
+    CHECK(cudaMemcpy(lat.data(), lat_d, lat.size() * 4, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(seen_h.data(), seen, sms * 4, cudaMemcpyDeviceToHost));
+    int nb = 0, na = 1, missing = 0;
+    part[0] = 0;
+    std::printf("phase 1: SMs of SM 0's partition (A) and of the other (B), by the far share of %d lines:\n",
+                PROBE_GRAINS);
+    std::string a_ids = " 0", b_ids;
+    for (int s = 1; s < sms; ++s) {
+        if (!seen_h[s] || lat[s * PROBE_GRAINS] == 0xffffffffu || lat[s * PROBE_GRAINS] == 0) {
+            ++missing;
+            continue;
+        }
+        int far = 0;
+        for (int i = 0; i < PROBE_GRAINS; ++i) far += lat[s * PROBE_GRAINS + i] > FAR_CYCLES;
+        part[s] = far * 4 > PROBE_GRAINS ? 1 : 0;  // B sees about half far, A none
+        (part[s] ? b_ids : a_ids) += " " + std::to_string(s);
+        if (part[s]) rank[s] = nb++; else ++na;
+    }
+    std::printf("  A (%d SMs):%s\n  B (%d SMs):%s\n  not seen: %d\n", na, a_ids.c_str(), nb, b_ids.c_str(), missing);
+    if (nb == 0 || missing) {
+        std::printf("cannot map the granules: %s\n", nb ? "an SM ran no block" : "no SM sees far lines");
+        return 1;
+    }
+
+    // Phase 2.
+    CHECK(cudaMemcpy(rank_d, rank.data(), sms * 4, cudaMemcpyHostToDevice));
+    std::vector<uint8_t> home(grains);  // 1: homed in B
+    std::vector<uint32_t> clat(CHUNK_GRAINS * 2);
+    size_t disagree = 0, unmapped = 0;
+    for (size_t c = 0; c < grains / CHUNK_GRAINS; ++c) {
+        CHECK(cudaMemset(flag, 0, 4));
+        CHECK(cudaMemset(lat_d, 0, CHUNK_GRAINS * 2 * 4));
+        map_grains<<<sms, 32, SMEM>>>(buf + c * CHUNK_GRAINS * GRAIN, CHUNK_GRAINS, rank_d, nb, flag, lat_d, sink, 0u);
+        CHECK(cudaGetLastError());
+        CHECK(cudaMemcpy(clat.data(), lat_d, clat.size() * 4, cudaMemcpyDeviceToHost));
+        for (int g = 0; g < CHUNK_GRAINS; ++g) {
+            const uint32_t f = clat[2 * g], l = clat[2 * g + 1];
+            unmapped += f == 0;
+            disagree += (f > FAR_CYCLES) != (l > FAR_CYCLES);
+            home[c * CHUNK_GRAINS + g] = f <= FAR_CYCLES;
+        }
+    }
+    size_t in_b = 0;
+    for (auto h : home) in_b += h;
+    const size_t per_page = (2 << 20) / GRAIN;
+    size_t same = 0, complement = 0, other = 0;
+    for (size_t p = 1; p < grains / per_page; ++p) {
+        size_t eq = 0;
+        for (size_t g = 0; g < per_page; ++g) eq += home[p * per_page + g] == home[g];
+        if (eq * 100 >= per_page * 98) ++same;
+        else if (eq * 100 <= per_page * 2) ++complement;
+        else ++other;
+    }
+    std::printf("phase 2: %zu granules of 4 KB, %.3f homed in B; first and last line disagree in %zu, "
+                "%zu not timed\n  2 MB pages beside the first: %zu the same pattern, %zu its complement, %zu other\n",
+                grains, double(in_b) / grains, disagree, unmapped, same, complement, other);
+    if (unmapped) return 1;
+
+    // Phase 3.
+    std::vector<int> all(grains), pool[2];
+    for (size_t g = 0; g < grains; ++g) {
+        all[g] = int(g);
+        pool[home[g]].push_back(int(g));
+    }
+    std::vector<int> at_in(sms);
+    {
+        int ia = 0, ib = 0;
+        for (int s = 0; s < sms; ++s) at_in[s] = part[s] ? ib++ : ia++;
+    }
+    const int count[2] = {na, nb};
+    int* list_d = nullptr;
+    int* off_d = nullptr;
+    CHECK(cudaMalloc(&list_d, grains * 2 * 4));
+    CHECK(cudaMalloc(&off_d, (sms + 1) * 4));
+    CHECK(cudaMemset(claimed, 0, sms * 4));
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    int epoch = 0;
+    std::printf("phase 3: one block per SM, 1024 threads; GB/s into the SMs (median of 11), "
+                "and the slowest SM's share of the bytes against an even one\n");
+    for (int reuse = 1; reuse <= 2; ++reuse) {
+        for (const char* mode : {"mixed", "near", "far"}) {
+            const std::string m = mode;
+            const Lists l = deal(sms, reuse, [&](int s) -> std::tuple<const std::vector<int>*, int, int> {
+                if (m == "mixed") return {&all, s, sms};
+                const int p = m == "near" ? part[s] : 1 - part[s];
+                // "far": the SMs of one partition deal the other's granules among themselves.
+                return {&pool[p], at_in[s], count[part[s]]};
+            });
+            CHECK(cudaMemcpy(list_d, l.list.data(), l.list.size() * 4, cudaMemcpyHostToDevice));
+            CHECK(cudaMemcpy(off_d, l.off.data(), (sms + 1) * 4, cudaMemcpyHostToDevice));
+            size_t most = 0;
+            for (int s = 0; s < sms; ++s) most = std::max(most, size_t(l.off[s + 1] - l.off[s]));
+            std::vector<float> ms;
+            for (int it = 0; it < 14; ++it) {
+                CHECK(cudaMemset(done, 0, 4));
+                ++epoch;
+                CHECK(cudaEventRecord(e0));
+                stream<<<sms, 1024, SMEM>>>(reinterpret_cast<const uint4*>(buf), list_d, off_d, claimed, done, sink,
+                                            epoch);
+                CHECK(cudaEventRecord(e1));
+                CHECK(cudaEventSynchronize(e1));
+                CHECK(cudaGetLastError());
+                int d = 0;
+                CHECK(cudaMemcpy(&d, done, 4, cudaMemcpyDeviceToHost));
+                if (d != sms) {
+                    std::printf("  %s reuse %d: %d of %d SMs ran\n", mode, reuse, d, sms);
+                    break;
+                }
+                float t = 0;
+                CHECK(cudaEventElapsedTime(&t, e0, e1));
+                if (it >= 3) ms.push_back(t);
+            }
+            if (ms.empty()) continue;
+            std::sort(ms.begin(), ms.end());
+            const double t = ms[ms.size() / 2] * 1e-3, bytes = double(l.list.size()) * GRAIN;
+            std::printf("  %-5s reuse %d: %8.3f ms  %7.0f GB/s  (%.2f GB; slowest SM %.2fx even)\n", mode, reuse,
+                        t * 1e3, bytes / t * 1e-9, bytes * 1e-9, double(most) * sms / l.list.size());
+        }
+    }
+    return 0;
+}
