@@ -143,6 +143,16 @@ def test_stage_builds_copies_what_the_runtime_loads(tmp_path):
     assert r.returncode == 1 and "over --max-mb" in r.stderr and (dest / "experiments").exists()
     r = stage("nothing_*")
     assert r.returncode == 1 and "no built variant" in r.stderr
+    import tarfile
+
+    dest = tmp_path / "home.tar.xz"  # an archive: the same files, compressed; the limit is the archive's
+    r = stage("--set", "twogpu", "--max-mb", "0.05")
+    assert r.returncode == 0 and "packed into" in r.stdout, r.stderr
+    with tarfile.open(dest) as tar:
+        assert sorted(m.name for m in tar.getmembers() if m.isfile()) == got
+    assert not list(tmp_path.glob("*.part"))
+    r = stage("--set", "twogpu", "--max-mb", "0.00001")
+    assert r.returncode == 1 and "over --max-mb" in r.stderr and not list(tmp_path.glob("*.part"))
     (home / "e64_a_sm90a" / "build" / "libmokgen.so").unlink()
     r = stage("e64_a_sm90a")
     assert r.returncode == 1 and "not compiled: e64_a_sm90a" in r.stderr
