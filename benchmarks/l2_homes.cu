@@ -24,6 +24,8 @@
 
 #include <cuda_runtime.h>
 
+#include "l2_probe.cuh"
+
 #define CHECK(x)                                                                       \
     do {                                                                               \
         cudaError_t e_ = (x);                                                          \
@@ -36,19 +38,6 @@
 constexpr size_t PAGE = size_t(2) << 20;  // the driver's large page
 constexpr int PAGES = 4;                  // pages per trial
 constexpr long long WAIT_CYCLES = 20000000000LL;  // SM B gives up waiting for A after this
-
-__device__ __forceinline__ uint32_t sm_id() {
-    uint32_t s;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
-    return s;
-}
-
-// A relaxed load at GPU scope: it is never elided, and it is served by L2, not L1.
-__device__ __forceinline__ uint32_t load_l2(const uint32_t* p) {
-    uint32_t v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 
 __global__ void probe(const uint32_t* region, int lines, int stride_words, int sm_a, int sm_b,
                       volatile int* flag, uint32_t* latency, uint32_t* sink, uint32_t zero) {

@@ -35,6 +35,8 @@
 
 #include <cuda_runtime.h>
 
+#include "l2_probe.cuh"
+
 #define CHECK(x)                                                                       \
     do {                                                                               \
         cudaError_t e_ = (x);                                                          \
@@ -51,19 +53,6 @@ constexpr int CHUNK_GRAINS = 2048;               // granules a phase-2 launch ma
 constexpr uint32_t FAR_CYCLES = 400;             // l2_homes: near lines take 250-350 cycles, far 430-550
 constexpr long long WAIT_CYCLES = 4000000000LL;  // a waiting SM gives up after this (about 2 s)
 constexpr int SMEM = 200 * 1024;                 // a launch-size smem request keeps one block per SM
-
-__device__ __forceinline__ uint32_t sm_id() {
-    uint32_t s;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
-    return s;
-}
-
-// A relaxed load at GPU scope: never elided, served by L2, not L1.
-__device__ __forceinline__ uint32_t load_l2(const uint32_t* p) {
-    uint32_t v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 
 // One timed read of each of n addresses (base + offset(i)), each waiting for the one before.
 // offset is arithmetic, so nothing but the timed load sits between the clock reads.
