@@ -25,6 +25,12 @@
 //      (homed in the other one). Each with reuse 1 (every granule read once: HBM's rate) and
 //      reuse 2 (each SM also reads a partner's granules, as the launch re-reads x and h rows:
 //      the second read is an L2 hit). Median of 11 timed launches; bytes into the SMs a second.
+//   4. The GEMM's loads: units of 128 weight rows (a row one granule) read by TMA into a ring of
+//      shared-memory stages, a K block of 64 columns a stage, as a gate/up tile loads its weights:
+//      contiguous rows in one box a stage (today's load), the same rows in one box a row (what a
+//      gather costs), and units of near-homed rows in one box a row (what a home-aware tile would
+//      do). A checksum of what lands says whether one-row boxes under the 128 B swizzle land as
+//      the rows of one box do.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -33,7 +39,9 @@
 #include <tuple>
 #include <vector>
 
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include "l2_probe.cuh"
 
@@ -175,6 +183,94 @@ __global__ void __launch_bounds__(1024, 1)
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(done, 1);
     hold[0] = 0;
+}
+
+// Phase 4: the GEMM's way of reading weights. One block per SM: a producer thread fills a ring of
+// STAGES shared-memory stages by TMA, each stage one K block (64 bf16 columns) of a unit of
+// TILE_ROWS weight rows (a row is one 4 KB granule, H = 2048 bf16), as a gate/up tile's B operand
+// is loaded; four consumer warps wait for each stage and free it (no MMA: only the loads are
+// timed). A unit's rows are contiguous (one box of 64 x 128 per stage, today's load) or listed
+// (128 boxes of 64 x 1, one per row: the gather a tile of rows chosen by home would need).
+constexpr int TILE_ROWS = 128;
+constexpr int KBLK = 64;                                // bf16 columns a stage
+constexpr int STAGES = 8;
+constexpr int STAGE_BYTES = TILE_ROWS * KBLK * 2;       // 16 KB
+constexpr int KBLOCKS = GRAIN / (KBLK * 2);             // 32 stages a unit
+constexpr int CONSUMER_WARPS = 4;
+constexpr int TMA_SMEM = STAGES * STAGE_BYTES + 1024;   // + room to align the ring to 1 KB (128 B swizzle)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ bool wait_parity(uint64_t* bar, uint32_t parity) {
+    const long long start = clock64();
+    while (true) {
+        uint32_t ok;
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+        if (ok) return true;
+        if (clock64() - start > WAIT_CYCLES) return false;
+    }
+}
+
+__global__ void __launch_bounds__(32 * (CONSUMER_WARPS + 1), 1)
+    tma_stream(const __grid_constant__ CUtensorMap map, int box_rows, const int* rows, const int* units,
+               const int* off, int* claimed, int* done, int* failed, uint32_t* checksum, int epoch, int check) {
+    extern __shared__ char raw[];
+    char* ring = reinterpret_cast<char*>((uintptr_t(raw) + 1023) & ~uintptr_t(1023));
+    __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+    __shared__ int mine;
+    const uint32_t me = sm_id();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        mine = me < gridDim.x && atomicExch(claimed + me, epoch) != epoch;
+        for (int s = 0; s < STAGES; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(full + s)));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(empty + s)), "r"(CONSUMER_WARPS));
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (!mine) return;
+    const int b = off[me], n_stages = (off[me + 1] - b) * KBLOCKS;
+    uint32_t sum = 0;
+    bool ok = true;
+    if (warp == CONSUMER_WARPS) {
+        if (lane == 0) {
+            for (int n = 0; n < n_stages && ok; ++n) {
+                const int s = n % STAGES;
+                if (n >= STAGES && !(ok = wait_parity(empty + s, ((n / STAGES) & 1) ^ 1))) break;
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + s)),
+                             "r"(STAGE_BYTES) : "memory");
+                const int* r = rows + size_t(units[b + n / KBLOCKS]) * TILE_ROWS;
+                const int col = (n % KBLOCKS) * KBLK;
+                for (int j = 0; j < TILE_ROWS; j += box_rows)  // one box, or one a row
+                    asm volatile(
+                        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                        ::"r"(smem_u32(ring + s * STAGE_BYTES + j * KBLK * 2)), "l"(&map), "r"(col), "r"(r[j]),
+                        "r"(smem_u32(full + s)) : "memory");
+            }
+        }
+    } else {
+        for (int n = 0; n < n_stages && ok; ++n) {
+            const int s = n % STAGES;
+            if (!(ok = wait_parity(full + s, (n / STAGES) & 1))) break;
+            if (check) {  // position-weighted, so a box that landed elsewhere in the stage changes it
+                const uint32_t* w = reinterpret_cast<const uint32_t*>(ring + s * STAGE_BYTES);
+                for (int i = threadIdx.x; i < STAGE_BYTES / 4; i += 32 * CONSUMER_WARPS) sum += w[i] * uint32_t(i + 1);
+            }
+            __syncwarp();
+            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + s)) : "memory");
+        }
+    }
+    if (!ok) atomicExch(failed, 1);
+    if (check && sum) atomicAdd(checksum, sum);
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(done, 1);
+}
+
+__global__ void fill(uint32_t* w, size_t n) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+        w[i] = uint32_t(i) * 2654435761u;
 }
 
 struct Lists {
@@ -367,5 +463,96 @@ int main(int argc, char** argv) {
                         t * 1e3, bytes / t * 1e-9, bytes * 1e-9, double(most) * sms / l.list.size());
         }
     }
+    // Phase 4.
+    PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
+                                           cudaEnableDefault, &q));
+    if (!encode || q != cudaDriverEntryPointSuccess) {
+        std::printf("phase 4: cuTensorMapEncodeTiled not found\n");
+        return 1;
+    }
+    fill<<<sms * 4, 1024>>>(reinterpret_cast<uint32_t*>(buf), grains * GRAIN / 4);
+    CHECK(cudaGetLastError());
+    CUtensorMap maps[2];
+    for (int m = 0; m < 2; ++m) {
+        const cuuint64_t dims[2] = {GRAIN / 2, grains};
+        const cuuint64_t strides[1] = {GRAIN};
+        const cuuint32_t box[2] = {KBLK, cuuint32_t(m ? 1 : TILE_ROWS)}, estr[2] = {1, 1};
+        const CUresult r = encode(maps + m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, buf, dims, strides, box, estr,
+                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        if (r != CUDA_SUCCESS) {
+            std::printf("phase 4: cuTensorMapEncodeTiled failed (%d)\n", int(r));
+            return 1;
+        }
+    }
+    CHECK(cudaFuncSetAttribute(tma_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, TMA_SMEM));
+    // Rows in unit order: contiguous units first (row g is granule g), then partition A's homed rows,
+    // then B's, each cut to whole units.
+    std::vector<int> rows_h(all), unit_pool[3];
+    const int contiguous_units = int(grains / TILE_ROWS);
+    for (int u = 0; u < contiguous_units; ++u) unit_pool[2].push_back(u);
+    for (int p = 0; p < 2; ++p) {
+        const size_t whole = pool[p].size() / TILE_ROWS * TILE_ROWS;
+        for (size_t k = 0; k < whole; k += TILE_ROWS) {
+            unit_pool[p].push_back(int(rows_h.size() / TILE_ROWS));
+            rows_h.insert(rows_h.end(), pool[p].begin() + k, pool[p].begin() + k + TILE_ROWS);
+        }
+    }
+    int *rows_d, *failed;
+    uint32_t* checksum;
+    CHECK(cudaMalloc(&rows_d, rows_h.size() * 4));
+    CHECK(cudaMemcpy(rows_d, rows_h.data(), rows_h.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&failed, 4));
+    CHECK(cudaMalloc(&checksum, 4));
+    CHECK(cudaMemset(failed, 0, 4));
+    std::printf("phase 4: units of %d weight rows of 4 KB, a producer thread's TMA into %d stages of 16 KB, "
+                "%d consumer warps (no MMA); GB/s into the SMs (median of 11)\n", TILE_ROWS, STAGES, CONSUMER_WARPS);
+    uint32_t sums[2] = {0, 0};
+    for (int reuse = 1; reuse <= 2; ++reuse) {
+        for (const char* mode : {"contiguous, one box", "contiguous, a box a row", "near-homed, a box a row"}) {
+            const std::string m = mode;
+            const bool near = m[0] == 'n';
+            const int box_rows = m.find("a row") != std::string::npos ? 1 : TILE_ROWS;
+            const Lists l = deal(sms, reuse, [&](int s) -> std::tuple<const std::vector<int>*, int, int> {
+                if (!near) return {&unit_pool[2], s, sms};
+                return {&unit_pool[part[s]], at_in[s], count[part[s]]};
+            });
+            CHECK(cudaMemcpy(list_d, l.list.data(), l.list.size() * 4, cudaMemcpyHostToDevice));
+            CHECK(cudaMemcpy(off_d, l.off.data(), (sms + 1) * 4, cudaMemcpyHostToDevice));
+            std::vector<float> ms;
+            for (int it = 0; it < 15; ++it) {
+                const int check = it == 0;  // the first launch checksums what landed, untimed
+                CHECK(cudaMemset(done, 0, 4));
+                CHECK(cudaMemset(checksum, 0, 4));
+                ++epoch;
+                CHECK(cudaEventRecord(e0));
+                tma_stream<<<sms, 32 * (CONSUMER_WARPS + 1), TMA_SMEM>>>(maps[box_rows == 1], box_rows, rows_d, list_d,
+                                                                         off_d, claimed, done, failed, checksum,
+                                                                         epoch, check);
+                CHECK(cudaEventRecord(e1));
+                CHECK(cudaEventSynchronize(e1));
+                CHECK(cudaGetLastError());
+                int d = 0, f = 0;
+                CHECK(cudaMemcpy(&d, done, 4, cudaMemcpyDeviceToHost));
+                CHECK(cudaMemcpy(&f, failed, 4, cudaMemcpyDeviceToHost));
+                if (d != sms || f) {
+                    std::printf("  %s reuse %d: %d of %d SMs ran%s\n", mode, reuse, d, sms, f ? ", a wait gave up" : "");
+                    return 1;
+                }
+                if (check && !near && reuse == 1) CHECK(cudaMemcpy(sums + (box_rows == 1), checksum, 4, cudaMemcpyDeviceToHost));
+                float t = 0;
+                CHECK(cudaEventElapsedTime(&t, e0, e1));
+                if (it >= 4) ms.push_back(t);
+            }
+            std::sort(ms.begin(), ms.end());
+            const double t = ms[ms.size() / 2] * 1e-3, bytes = double(l.list.size()) * TILE_ROWS * GRAIN;
+            std::printf("  %-24s reuse %d: %8.3f ms  %7.0f GB/s  (%.2f GB)\n", mode, reuse, t * 1e3, bytes / t * 1e-9,
+                        bytes * 1e-9);
+        }
+    }
+    std::printf("  a box a row lands as one box does (the same position-weighted checksum): %s (%08x, %08x)\n",
+                sums[0] == sums[1] ? "yes" : "NO", sums[0], sums[1]);
     return 0;
 }
