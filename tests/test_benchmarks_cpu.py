@@ -2,11 +2,23 @@
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_module(name: str):
+    """A script under benchmarks/, imported as a module (the folder is not a package)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def run(*args):
@@ -22,11 +34,7 @@ def test_anchor_compare_refuses_unknown_cases_and_a_missing_script(tmp_path):
 
 
 def test_anchor_compare_covers_the_targets_shapes():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from anchor_compare import CASES
-    finally:
-        sys.path.pop(0)
+    CASES = bench_module("anchor_compare").CASES
     # (T, H, I, E, K): the forward targets' layers and token counts, and the small-T ones
     want = {(16384, 2048, 1024, 64, 8), (4096, 2048, 1024, 64, 8), (16384, 2048, 768, 128, 8),
             (8192, 7168, 2048, 256, 8)} | {(t, 2048, 1024, 64, 8) for t in (64, 256, 1024)}
@@ -36,11 +44,7 @@ def test_anchor_compare_covers_the_targets_shapes():
 def test_anchor_rounds_keep_each_implementations_best_of_either_order():
     """--rounds: each implementation's best forward and best forward + backward over the rounds
     (run in swapped orders), the grouped baseline's row first; a failed backward (NaN) never wins."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from anchor_compare import best_of_rounds
-    finally:
-        sys.path.pop(0)
+    best_of_rounds = bench_module("anchor_compare").best_of_rounds
     row = lambda impl, rnd, fwd, fb: dict(impl=impl, round=rnd, fwd_ms=fwd, fwd_tflops=1 / fwd, fb_ms=fb,  # noqa: E731
                                           fb_tflops=1 / fb)
     runs = [row("grouped", 0, 2.0, 6.0), row("mokgen", 0, 1.1, float("nan")),
@@ -55,11 +59,7 @@ def test_anchor_rounds_keep_each_implementations_best_of_either_order():
 def test_anchor_compare_says_where_the_baseline_computes_no_reference():
     """The design's script checks against float64 only up to T*H = 4096*2048; above it the
     error column says so instead of printing nan."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from anchor_compare import err_text
-    finally:
-        sys.path.pop(0)
+    err_text = bench_module("anchor_compare").err_text
     assert err_text(float("nan")) == "no ref" and err_text(2.87e-3) == "2.9e-03"
 
 
@@ -143,8 +143,6 @@ def test_stage_builds_copies_what_the_runtime_loads(tmp_path):
     assert r.returncode == 1 and "over --max-mb" in r.stderr and (dest / "experiments").exists()
     r = stage("nothing_*")
     assert r.returncode == 1 and "no built variant" in r.stderr
-    import tarfile
-
     dest = tmp_path / "home.tar.xz"  # an archive: the same files, compressed; the limit is the archive's
     r = stage("--set", "twogpu", "--max-mb", "0.05")
     assert r.returncode == 0 and "packed into" in r.stdout, r.stderr
@@ -162,11 +160,8 @@ def test_plan_fingerprints_tell_a_changed_plan_and_a_changed_refusal():
     """benchmarks/plan_fingerprints.py (the guard of a refactor of the planning code): the same
     spec gives the same fingerprint, another override another one, a refused spec its error,
     and compare lists every difference and every case only one side has."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from plan_fingerprints import compare, fingerprint
-    finally:
-        sys.path.pop(0)
+    pf = bench_module("plan_fingerprints")
+    compare, fingerprint = pf.compare, pf.fingerprint
     from mokgen.ir import MoESpec
 
     spec = MoESpec(experts=8, topk=2, hidden=256, intermediate=128)
@@ -183,11 +178,7 @@ def test_plan_fingerprints_tell_a_changed_plan_and_a_changed_refusal():
 def test_plan_fingerprints_with_sources_tell_a_changed_render(monkeypatch):
     """plan_fingerprints.py write --sources (the guard of a template refactor): the rendered
     tree's hash follows the Plan's, and compare says when only the sources differ."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import plan_fingerprints
-    finally:
-        sys.path.pop(0)
+    plan_fingerprints = bench_module("plan_fingerprints")
     from mokgen.ir import MoESpec
 
     spec = MoESpec(experts=8, topk=2, hidden=256, intermediate=128)
