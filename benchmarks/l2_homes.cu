@@ -26,15 +26,6 @@
 
 #include "l2_probe.cuh"
 
-#define CHECK(x)                                                                       \
-    do {                                                                               \
-        cudaError_t e_ = (x);                                                          \
-        if (e_ != cudaSuccess) {                                                       \
-            std::printf("%s: %s\n", #x, cudaGetErrorString(e_));                       \
-            return 1;                                                                  \
-        }                                                                              \
-    } while (0)
-
 constexpr size_t PAGE = size_t(2) << 20;  // the driver's large page
 constexpr int PAGES = 4;                  // pages per trial
 constexpr long long WAIT_CYCLES = 20000000000LL;  // SM B gives up waiting for A after this

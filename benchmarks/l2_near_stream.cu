@@ -45,15 +45,6 @@
 
 #include "l2_probe.cuh"
 
-#define CHECK(x)                                                                       \
-    do {                                                                               \
-        cudaError_t e_ = (x);                                                          \
-        if (e_ != cudaSuccess) {                                                       \
-            std::printf("%s: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__);   \
-            std::exit(1);                                                              \
-        }                                                                              \
-    } while (0)
-
 constexpr int GRAIN = 4096;                      // bytes a granule: l2_homes' shortest run of one class
 constexpr int LINE = 128;                        // bytes an L2 line
 constexpr int PROBE_GRAINS = 32;                 // granules of each SM's region in phase 1

@@ -1,6 +1,20 @@
 // What l2_homes.cu and l2_near_stream.cu both use to time single reads of L2 from a chosen SM.
 #pragma once
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include <cuda_runtime.h>
+
+// A CUDA call that must succeed: otherwise the probe says which and stops.
+#define CHECK(x)                                                                       \
+    do {                                                                               \
+        cudaError_t e_ = (x);                                                          \
+        if (e_ != cudaSuccess) {                                                       \
+            std::printf("%s: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__);   \
+            std::exit(1);                                                              \
+        }                                                                              \
+    } while (0)
 
 // The SM this thread runs on: how a block learns its role, since a launch cannot place blocks.
 __device__ __forceinline__ uint32_t sm_id() {
