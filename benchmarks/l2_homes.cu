@@ -41,13 +41,11 @@ __global__ void probe(const uint32_t* region, int lines, int stride_words, int s
         __threadfence();
         *flag = 1;
     } else if (me == uint32_t(sm_b)) {
-        const long long start = clock64();
-        while (*flag == 0) {
-            if (clock64() - start > WAIT_CYCLES) {
-                latency[0] = 0xffffffffu;  // SM A never ran: the host reports it
-                return;
-            }
+        if (!wait_flag(flag, WAIT_CYCLES)) {
+            latency[0] = 0xffffffffu;  // SM A never ran: the host reports it
+            return;
         }
+        // Its own loop, not timed_reads: the byte offset's arithmetic would sink between the clock reads.
         uint32_t dep = 0;  // always 0 (zero is 0), but each address waits for the value before it
 #pragma unroll 1
         for (int i = 0; i < lines; ++i) {

@@ -53,31 +53,6 @@ constexpr uint32_t FAR_CYCLES = 400;             // l2_homes: near lines take 25
 constexpr long long WAIT_CYCLES = 4000000000LL;  // a waiting SM gives up after this (about 2 s)
 constexpr int SMEM = 200 * 1024;                 // a launch-size smem request keeps one block per SM
 
-// One timed read of each of n addresses (base + offset(i)), each waiting for the one before.
-// offset is arithmetic, so nothing but the timed load sits between the clock reads.
-template <class Offset>
-__device__ uint32_t timed_reads(const char* base, Offset offset, int n, uint32_t* latency, uint32_t zero) {
-    uint32_t dep = 0, acc = 0;
-#pragma unroll 1
-    for (int i = 0; i < n; ++i) {
-        const char* p = base + offset(i);
-        const long long t0 = clock64();
-        const uint32_t v = load_l2(reinterpret_cast<const uint32_t*>(p) + dep);
-        dep = v & zero;
-        acc += v;
-        const long long t1 = clock64();  // issues after the dependent AND: after the load
-        latency[i] = uint32_t(t1 - t0) + dep;
-    }
-    return acc;
-}
-
-__device__ bool wait_flag(volatile int* flag) {
-    const long long start = clock64();
-    while (*flag == 0)
-        if (clock64() - start > WAIT_CYCLES) return false;
-    return true;
-}
-
 // Phase 1. region: sms * PROBE_GRAINS granules; latency: [sms][PROBE_GRAINS]; seen[s] = 1 when SM s ran.
 __global__ void map_sms(const char* region, volatile int* flag, uint32_t* latency, int* seen, uint32_t* sink,
                         uint32_t zero) {
@@ -95,7 +70,7 @@ __global__ void map_sms(const char* region, volatile int* flag, uint32_t* latenc
         }
     } else if (threadIdx.x == 0 && me < gridDim.x) {
         if (atomicExch(seen + me, 1) == 0) {  // the first block on this SM probes
-            if (!wait_flag(flag)) {
+            if (!wait_flag(flag, WAIT_CYCLES)) {
                 latency[me * PROBE_GRAINS] = 0xffffffffu;
                 return;
             }
@@ -124,7 +99,7 @@ __global__ void map_grains(const char* chunk, int grains, const int* rank, int n
             *flag = 1;
         }
     } else if (threadIdx.x == 0 && me < gridDim.x && rank[me] >= 0) {
-        if (!wait_flag(flag)) return;  // the host sees latency 0 and reports it
+        if (!wait_flag(flag, WAIT_CYCLES)) return;  // the host sees latency 0 and reports it
         const int r = rank[me];
         const int n = min(64, 2 * ((grains - r + nb - 1) / nb));  // first and last line of each
         uint32_t lat[64];
