@@ -29,8 +29,9 @@
 //      shared-memory stages, a K block of 64 columns a stage, as a gate/up tile loads its weights:
 //      contiguous rows in one box a stage (today's load), the same rows in one box a row (what a
 //      gather costs), and units of near-homed rows in one box a row (what a home-aware tile would
-//      do). A checksum of what lands says whether one-row boxes under the 128 B swizzle land as
-//      the rows of one box do.
+//      do); one-row boxes issued by one thread and by a whole warp (whether one thread's issue
+//      rate or the TMA unit bounds them). A checksum of what lands says whether one-row boxes
+//      under the 128 B swizzle land as the rows of one box do.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -179,7 +180,7 @@ __device__ bool wait_parity(uint64_t* bar, uint32_t parity) {
 }
 
 __global__ void __launch_bounds__(32 * (CONSUMER_WARPS + 1), 1)
-    tma_stream(const __grid_constant__ CUtensorMap map, int box_rows, const int* rows, const int* units,
+    tma_stream(const __grid_constant__ CUtensorMap map, int box_rows, int issuers, const int* rows, const int* units,
                const int* off, int* claimed, int* done, int* failed, uint32_t* checksum, int epoch, int check) {
     extern __shared__ char raw[];
     char* ring = reinterpret_cast<char*>((uintptr_t(raw) + 1023) & ~uintptr_t(1023));
@@ -201,20 +202,26 @@ __global__ void __launch_bounds__(32 * (CONSUMER_WARPS + 1), 1)
     uint32_t sum = 0;
     bool ok = true;
     if (warp == CONSUMER_WARPS) {
-        if (lane == 0) {
-            for (int n = 0; n < n_stages && ok; ++n) {
-                const int s = n % STAGES;
-                if (n >= STAGES && !(ok = wait_parity(empty + s, ((n / STAGES) & 1) ^ 1))) break;
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + s)),
-                             "r"(STAGE_BYTES) : "memory");
-                const int* r = rows + size_t(units[b + n / KBLOCKS]) * TILE_ROWS;
-                const int col = (n % KBLOCKS) * KBLK;
-                for (int j = 0; j < TILE_ROWS; j += box_rows)  // one box, or one a row
-                    asm volatile(
-                        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                        ::"r"(smem_u32(ring + s * STAGE_BYTES + j * KBLK * 2)), "l"(&map), "r"(col), "r"(r[j]),
-                        "r"(smem_u32(full + s)) : "memory");
+        // Lane 0 waits for a free stage and arms its barrier; the first `issuers` lanes then issue
+        // the stage's boxes between them (one lane, or the whole warp: whether one thread's issue
+        // rate or the TMA unit bounds one-row boxes).
+        for (int n = 0; n < n_stages && ok; ++n) {
+            const int s = n % STAGES;
+            if (lane == 0) {
+                if (n >= STAGES) ok = wait_parity(empty + s, ((n / STAGES) & 1) ^ 1);
+                if (ok)
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + s)),
+                                 "r"(STAGE_BYTES) : "memory");
             }
+            ok = __shfl_sync(0xffffffffu, ok, 0);
+            if (!ok || lane >= issuers) continue;
+            const int* r = rows + size_t(units[b + n / KBLOCKS]) * TILE_ROWS;
+            const int col = (n % KBLOCKS) * KBLK;
+            for (int j = lane * box_rows; j < TILE_ROWS; j += issuers * box_rows)  // one box, or one a row
+                asm volatile(
+                    "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                    ::"r"(smem_u32(ring + s * STAGE_BYTES + j * KBLK * 2)), "l"(&map), "r"(col), "r"(r[j]),
+                    "r"(smem_u32(full + s)) : "memory");
         }
     } else {
         for (int n = 0; n < n_stages && ok; ++n) {
@@ -234,9 +241,19 @@ __global__ void __launch_bounds__(32 * (CONSUMER_WARPS + 1), 1)
     if (threadIdx.x == 0) atomicAdd(done, 1);
 }
 
+// A word's value: a hash of its index (a multiple of the index would make the position-weighted
+// checksum below a multiple of a large power of two, the same whatever landed where).
+__device__ uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
 __global__ void fill(uint32_t* w, size_t n) {
     for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-        w[i] = uint32_t(i) * 2654435761u;
+        w[i] = mix32(uint32_t(i));
 }
 
 struct Lists {
@@ -275,13 +292,13 @@ Lists deal(int sms, int reuse, Pick pick) {
 
 int main(int argc, char** argv) {
     const size_t mib = argc > 1 ? std::strtoul(argv[1], nullptr, 10) : 1024;
-    int sms = 0;
-    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const size_t grains = mib * (size_t(1) << 20) / GRAIN;
-    if (grains < size_t(CHUNK_GRAINS) || grains % CHUNK_GRAINS) {
+    if (grains < size_t(CHUNK_GRAINS) || grains % CHUNK_GRAINS) {  // before any GPU work
         std::printf("usage: %s [MiB: a multiple of 8]\n", argv[0]);
         return 2;
     }
+    int sms = 0;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     char *raw = nullptr, *probe_raw = nullptr;
     CHECK(cudaMalloc(&raw, grains * GRAIN + (2 << 20)));
     CHECK(cudaMemset(raw, 0x5a, grains * GRAIN + (2 << 20)));
@@ -475,12 +492,14 @@ int main(int argc, char** argv) {
     CHECK(cudaMemset(failed, 0, 4));
     std::printf("phase 4: units of %d weight rows of 4 KB, a producer thread's TMA into %d stages of 16 KB, "
                 "%d consumer warps (no MMA); GB/s into the SMs (median of 11)\n", TILE_ROWS, STAGES, CONSUMER_WARPS);
-    uint32_t sums[2] = {0, 0};
+    uint32_t sums[3] = {0, 0, 0};  // one box, a box a row by one lane, by 32 lanes
     for (int reuse = 1; reuse <= 2; ++reuse) {
-        for (const char* mode : {"contiguous, one box", "contiguous, a box a row", "near-homed, a box a row"}) {
+        for (const char* mode : {"contiguous, one box", "contiguous, a box a row", "contiguous, a row, 32 lanes",
+                                 "near-homed, a box a row"}) {
             const std::string m = mode;
             const bool near = m[0] == 'n';
             const int box_rows = m.find("a row") != std::string::npos ? 1 : TILE_ROWS;
+            const int issuers = m.find("32 lanes") != std::string::npos ? 32 : 1;
             const Lists l = deal(sms, reuse, [&](int s) -> std::tuple<const std::vector<int>*, int, int> {
                 if (!near) return {&unit_pool[2], s, sms};
                 return {&unit_pool[part[s]], at_in[s], count[part[s]]};
@@ -494,7 +513,7 @@ int main(int argc, char** argv) {
                 CHECK(cudaMemset(checksum, 0, 4));
                 ++epoch;
                 CHECK(cudaEventRecord(e0));
-                tma_stream<<<sms, 32 * (CONSUMER_WARPS + 1), TMA_SMEM>>>(maps[box_rows == 1], box_rows, rows_d, list_d,
+                tma_stream<<<sms, 32 * (CONSUMER_WARPS + 1), TMA_SMEM>>>(maps[box_rows == 1], box_rows, issuers, rows_d, list_d,
                                                                          off_d, claimed, done, failed, checksum,
                                                                          epoch, check);
                 CHECK(cudaEventRecord(e1));
@@ -507,18 +526,18 @@ int main(int argc, char** argv) {
                     std::printf("  %s reuse %d: %d of %d SMs ran%s\n", mode, reuse, d, sms, f ? ", a wait gave up" : "");
                     return 1;
                 }
-                if (check && !near && reuse == 1) CHECK(cudaMemcpy(sums + (box_rows == 1), checksum, 4, cudaMemcpyDeviceToHost));
+                if (check && !near && reuse == 1) CHECK(cudaMemcpy(sums + (box_rows == 1 ? (issuers == 1 ? 1 : 2) : 0), checksum, 4, cudaMemcpyDeviceToHost));
                 float t = 0;
                 CHECK(cudaEventElapsedTime(&t, e0, e1));
                 if (it >= 4) ms.push_back(t);
             }
             std::sort(ms.begin(), ms.end());
             const double t = ms[ms.size() / 2] * 1e-3, bytes = double(l.list.size()) * TILE_ROWS * GRAIN;
-            std::printf("  %-24s reuse %d: %8.3f ms  %7.0f GB/s  (%.2f GB)\n", mode, reuse, t * 1e3, bytes / t * 1e-9,
+            std::printf("  %-28s reuse %d: %8.3f ms  %7.0f GB/s  (%.2f GB)\n", mode, reuse, t * 1e3, bytes / t * 1e-9,
                         bytes * 1e-9);
         }
     }
-    std::printf("  a box a row lands as one box does (the same position-weighted checksum): %s (%08x, %08x)\n",
-                sums[0] == sums[1] ? "yes" : "NO", sums[0], sums[1]);
+    std::printf("  boxes of a row land as one box does (the same position-weighted checksum): %s (%08x, %08x, %08x)\n",
+                sums[0] == sums[1] && sums[0] == sums[2] ? "yes" : "NO", sums[0], sums[1], sums[2]);
     return 0;
 }

@@ -228,18 +228,20 @@ def test_ncu_call_refuses_a_build_for_a_path_that_is_a_build_itself():
     assert r.returncode == 2 and "--build goes with --path one_launch or train" in r.stderr
 
 
-def test_l2_homes_probe_compiles_and_checks_its_arguments(tmp_path):
-    """benchmarks/l2_homes.cu (the L2 partition probe, run on a GPU by gpu_session.sh l2homes)
-    builds for sm_90a, and refuses a stride that does not divide a 2 MB page before it touches
-    a GPU."""
+@pytest.mark.parametrize("probe, bad_args", [("l2_homes", ["3", "1"]), ("l2_near_stream", ["12"])])
+def test_l2_probes_compile_and_check_their_arguments(tmp_path, probe, bad_args):
+    """The L2 partition probes (benchmarks/l2_homes.cu and l2_near_stream.cu, run on a GPU by
+    gpu_session.sh l2homes and l2stream) build for sm_90a, and refuse arguments they cannot use
+    (a stride that does not divide a 2 MB page; a buffer not a multiple of 8 MiB) before they
+    touch a GPU."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
-    exe = tmp_path / "l2_homes"
-    r = subprocess.run([nvcc, "-arch=sm_90a", "-O2", "-o", str(exe), str(ROOT / "benchmarks" / "l2_homes.cu")],
+    exe = tmp_path / probe
+    r = subprocess.run([nvcc, "-arch=sm_90a", "-O2", "-o", str(exe), str(ROOT / "benchmarks" / f"{probe}.cu")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([str(exe), "3", "1"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(exe), *bad_args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "usage" in r.stdout
 
 
