@@ -12,7 +12,9 @@ Paths (the first two need benchmarks/build_gpu_variants.py's experiment builds):
   torch_grouped_mm the torch baseline (routing precomputed)
 Each is timed called directly ("eager": host launch overhead included) and replayed from a
 CUDA graph, 10 warm-ups and the median of 50 CUDA-event timed calls, in interleaved rounds
-(the best round kept), so a power-capped clock late in the run favours none of them.
+(the best round kept), so a power-capped clock late in the run favours none of them. Each time
+is printed with its TFLOP/s (mokgen.bench.forward_flops: the routed pairs' GEMMs) and its ratio
+to torch and to the multi-kernel path; --json writes every timing with its TFLOP/s.
 """
 import argparse
 import json
@@ -20,7 +22,7 @@ import json
 import torch
 
 import mokgen
-from mokgen.bench import _capture, baseline_weights, experiment_build, time_rounds, torch_grouped_mm
+from mokgen.bench import _capture, baseline_weights, experiment_build, forward_flops, time_rounds, torch_grouped_mm
 from mokgen.verify import make_inputs
 
 ap = argparse.ArgumentParser()
@@ -63,15 +65,20 @@ for T in [int(t) for t in args.tokens.split(",")]:
     impls = {f"{n} eager": fn for n, fn in calls.items()}
     impls.update({f"{n} graph": _capture(fn).replay for n, fn in calls.items()})
     impls["torch_grouped_mm"] = lambda: torch_grouped_mm(x, ids, w, w13, wd, spec.intermediate, ws)
+    first = len(rows)
     best = time_rounds(impls, args.rounds, rows, T=T)
     plain.check_errors()
+    flops = forward_flops(spec, T)
+    for r in rows[first:]:
+        r["tflops"] = flops / r["ms"] / 1e9
     torch_ms = best["torch_grouped_mm"]
-    print(f"T={T}  torch grouped_mm {torch_ms:.3f} ms", flush=True)
+    print(f"T={T}  torch grouped_mm {torch_ms:.3f} ms ({flops / torch_ms / 1e9:.1f} TFLOP/s)", flush=True)
     for mode in ("eager", "graph"):
         multi = best[f"multi {mode}"]
         print(f"  {mode:5s} " + "  ".join(
-            f"{n} {best[f'{n} {mode}']:.3f} ms ({torch_ms / best[f'{n} {mode}']:.2f}x torch, "
-            f"{multi / best[f'{n} {mode}']:.3f}x multi)" for n in calls), flush=True)
+            f"{n} {best[f'{n} {mode}']:.3f} ms ({flops / best[f'{n} {mode}'] / 1e9:.1f} TFLOP/s, "
+            f"{torch_ms / best[f'{n} {mode}']:.2f}x torch, {multi / best[f'{n} {mode}']:.3f}x multi)" for n in calls),
+            flush=True)
 if args.json:
     with open(args.json, "w") as f:
         json.dump(dict(variant=args.variant, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

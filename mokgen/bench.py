@@ -64,6 +64,13 @@ def experiment_build(name: str, variant: str):
     return Variant(path)
 
 
+def forward_flops(spec, tokens: int) -> float:
+    """The forward's GEMM FLOPs at `tokens` tokens: gate, up and down (2 x 3 x H x I a routed
+    pair) for each of the T x K pairs, and the shared expert's for each token. Padding rows and
+    the dispatch and combine are not counted; the backward is twice the forward."""
+    return 6.0 * tokens * spec.hidden * (spec.topk * spec.intermediate + spec.shared_intermediate)
+
+
 def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     for _ in range(warmup):
         fn()
@@ -208,7 +215,7 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
     for T in tokens:
         gen = torch.Generator(device="cuda").manual_seed(1234 + T)
         x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(spec, T, routing, gen)
-        flops = 6.0 * T * spec.topk * spec.hidden * spec.intermediate + 6.0 * T * spec.hidden * spec.shared_intermediate
+        flops = forward_flops(spec, T)
         ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd) if T * spec.hidden <= 16384 * 4096 else None
         if spec.dtype == "fp8":  # (the experts quantised ahead, by the variant's kernels; rel_err is FP8's)
             experts = variant.quantize_experts_fp8(wg, wu, wd)
@@ -270,7 +277,7 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
         x, ids, w, wg, wu, wd, shared = make_inputs(spec, T, routing, gen)
         shared = shared if shared[0] is not None else ()
         dout = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
-        flops = 3 * 6.0 * T * (spec.topk * spec.hidden * spec.intermediate + spec.hidden * spec.shared_intermediate)
+        flops = 3 * forward_flops(spec, T)
         leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd) + shared]
 
         def ours():

@@ -92,6 +92,19 @@ def test_bench_rounds_rotate_and_keep_each_implementations_best_round_with_its_e
     assert best == {"a": (5.0, 1, 700.0, {"at": 1}), "b": (4.0, 3, 700.0, {"at": 3})}
 
 
+def test_forward_flops_count_the_routed_pairs_and_the_shared_expert():
+    """TFLOP/s in `mokgen bench` and benchmarks/small_t.py come from one count: 2 x 3 x H x I per
+    routed pair (gate, up, down) and 2 x 3 x H x S per token for a shared expert of size S."""
+    from mokgen.bench import forward_flops
+    from mokgen.ir import MoESpec
+
+    olmoe = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024)
+    assert forward_flops(olmoe, 1024) == 2 * 3 * 2048 * 1024 * 1024 * 8  # 103 GFLOP: 0.260 ms is 396 TFLOP/s
+    shared = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
+    assert forward_flops(shared, 7) == 6 * 7 * 1024 * (4 * 512 + 768)
+    assert forward_flops(olmoe, 0) == 0
+
+
 def test_bench_table_gives_the_power_while_the_calls_ran():
     """The W column is the energy counter's mean over the timed calls where there is one (NVML's
     board reading averages over about a second and reads low after a short timing), else the
