@@ -13,7 +13,7 @@
 #            partition hash is, and whether it repeats from one 2 MB page to the next)
 #   l2stream: whether SMs reading only the lines homed in their own L2 partition stream faster than SMs reading
 #             every line (benchmarks/l2_near_stream.cu: maps SMs and 4 KB granules to partitions, then times both,
-#             and the TMA loads of weight rows in one box a stage or one box a row)
+#             and the TMA loads of weight rows in one box a stage or one box a row, from one lane or a warp)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
 #           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)
 set -uo pipefail
