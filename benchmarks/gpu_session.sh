@@ -2,7 +2,7 @@
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
 # Builds: MOKGEN_HOME, e.g. a folder unpacked from `stage_builds.py HOME.tar.xz --set golden --set fp8`.
 # Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [anchor] [twogpu] [exp NAME VARIANT T,T,..] [profile VARIANT T]
-#        [ncu VARIANT PATH T] [l2homes] [l2stream]
+#        [ncu VARIANT PATH T] [l2homes] [l2stream] [l2mcast]
 #   train: forward+backward bench (E64 at T=4096,16384) and the training demo's loss curves (bf16, then FP8)
 #   twogpu: needs two GPUs of one host: the expert-parallel, multi-node and FP8 golden tests over both, then
 #           the expert-parallel forward and forward+backward bench and the FP8 layer beside bf16 over both
@@ -14,6 +14,9 @@
 #   l2stream: whether SMs reading only the lines homed in their own L2 partition stream faster than SMs reading
 #             every line (benchmarks/l2_near_stream.cu: maps SMs and 4 KB granules to partitions, then times both,
 #             and the TMA loads of weight rows in one box a stage or one box a row, from one lane or a warp)
+#   l2mcast: whether a TMA multicast of the token rows over a cluster of 2 or 4 CTAs makes the 160-row gate/up
+#            tiles faster (benchmarks/l2_multicast.cu: the tiles' TMA loads and wgmma, no epilogue; the rows not
+#            loaded at all, loaded by every CTA, multicast; with and without the MMAs)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
 #           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)
 set -uo pipefail
@@ -64,6 +67,10 @@ while [ $# -gt 0 ]; do
       nvcc -arch=sm_90a -O2 -std=c++17 -o "$OUT/l2_near_stream" benchmarks/l2_near_stream.cu \
         && timeout 120 "$OUT/l2_near_stream" 1024 2>&1 | tee "$OUT/l2stream.log"
       rm -f "$OUT/l2_near_stream"; shift ;;
+    l2mcast)
+      nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o "$OUT/l2_multicast" benchmarks/l2_multicast.cu \
+        && timeout 120 "$OUT/l2_multicast" 11 2>&1 | tee "$OUT/l2mcast.log"
+      rm -f "$OUT/l2_multicast"; shift ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

@@ -241,18 +241,20 @@ def test_ncu_call_refuses_a_build_for_a_path_that_is_a_build_itself():
     assert r.returncode == 2 and "--build goes with --path one_launch or train" in r.stderr
 
 
-@pytest.mark.parametrize("probe, bad_args", [("l2_homes", ["3", "1"]), ("l2_near_stream", ["12"])])
+@pytest.mark.parametrize("probe, bad_args", [("l2_homes", ["3", "1"]), ("l2_near_stream", ["12"]),
+                                             ("l2_multicast", ["0"])])
 def test_l2_probes_compile_and_check_their_arguments(tmp_path, probe, bad_args):
-    """The L2 partition probes (benchmarks/l2_homes.cu and l2_near_stream.cu, run on a GPU by
-    gpu_session.sh l2homes and l2stream) build for sm_90a, and refuse arguments they cannot use
-    (a stride that does not divide a 2 MB page; a buffer not a multiple of 8 MiB) before they
-    touch a GPU."""
+    """The L2 probes (benchmarks/l2_homes.cu, l2_near_stream.cu and l2_multicast.cu, run on a GPU
+    by gpu_session.sh l2homes, l2stream and l2mcast) build for sm_90a (compute_90a: the multicast
+    probe's wgmma and setmaxnreg have no plain sm_90 form), and refuse arguments they cannot use
+    (a stride that does not divide a 2 MB page; a buffer not a multiple of 8 MiB; no timed
+    launch) before they touch a GPU."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
     exe = tmp_path / probe
-    r = subprocess.run([nvcc, "-arch=sm_90a", "-O2", "-o", str(exe), str(ROOT / "benchmarks" / f"{probe}.cu")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([nvcc, "-gencode", "arch=compute_90a,code=sm_90a", "-O2", "-std=c++17", "-o", str(exe),
+                        str(ROOT / "benchmarks" / f"{probe}.cu")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([str(exe), *bad_args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "usage" in r.stdout

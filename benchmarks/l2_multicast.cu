@@ -1,0 +1,407 @@
+// Would serving a tile's token rows once per cluster (TMA multicast) make the 160-row tiles faster?
+//
+//     nvcc -arch=sm_90a -O3 -std=c++17 -o l2_multicast benchmarks/l2_multicast.cu && ./l2_multicast [rounds]
+//
+// Why: at T = 1024 the single launch (E64 K8 H2048 I1024) runs 160-row swapped gate/up tiles, and
+// each of an M tile's 8 column tiles reads the same 160 x rows: 335 MB of the call's 1.31 GB
+// through L2 (docs/perf.md, "Where a 160-row tile's time goes"). A tile's time fits
+// W / 35.6 GB/s + A / 63 GB/s per SM (W its weight bytes, A its token rows' bytes), so the rows
+// cost about a quarter of it. A TMA multicast over a cluster of the CTAs that share an M tile
+// would have L2 serve each row once per cluster, but every SM of the cluster still takes the
+// bytes in. Which of the two bounds the rows' cost decides whether the multicast (a cluster
+// launch, the x rows copied in dispatch order first: cp.async cannot multicast) is worth
+// building into the kernel; this program measures it on the tile's own loads and MMAs.
+//
+// One CTA per SM, as the kernel: warp 0 of warpgroup 0 issues a tile's TMA loads into 4 stages
+// of 52 KB (a K block of 64: the gate and up weight boxes of 128 x 64 and the 160 x 64 token
+// rows), and two consumer warpgroups each run the tile's wgmma on their 64 weight rows
+// (m64n160k16: gate and up, 160 fp32 accumulators a thread), then free the stage. No
+// epilogue. The 512 tiles of E64's gate/up phase (64 M tiles x 8 column tiles of 128) are dealt
+// so that the CTAs that share an M tile run it together. Modes:
+//   weights only   the token rows never loaded: the floor if they were free
+//   rows each      every CTA loads all 160 rows by TMA (one box): today's bytes, contiguous
+//   multicast      each of the cluster's C CTAs loads 160 / C rows and multicasts them to all C
+// Each mode with the MMAs and without (only the loads), at clusters of 1, 2 and 4 CTAs, all on one
+// grid (the CTAs that clusters of 4 can fill), so the modes differ in their loads alone.
+// Prints the median of the timed launches, a tile's time on one SM, the SM clock (clock64 over
+// globaltimer on the CTAs), and the bytes into the SMs and out of L2 a second.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include "l2_probe.cuh"
+
+constexpr int TOK = 160;                                  // token rows a tile (the T = 1024 band)
+constexpr int WROWS = 128;                                // gate rows a tile, and as many up rows
+constexpr int KBLK = 64;                                  // bf16 columns a stage (128 B: one swizzle row)
+constexpr int HID = 2048;                                 // K of the gate/up GEMM
+constexpr int INTER = 1024;                               // gate rows an expert
+constexpr int KB = HID / KBLK;                            // stages a tile
+constexpr int M_TILES = 64;                               // experts, one M tile each at T = 1024
+constexpr int N_TILES = INTER / WROWS;                    // column tiles an M tile
+constexpr int TILES = M_TILES * N_TILES;
+constexpr int STAGES = 4;
+constexpr int A_STAGE = TOK * KBLK * 2;                   // 20 KB of token rows
+constexpr int W_BOX = WROWS * KBLK * 2;                   // 16 KB: the gate box, or the up box
+constexpr int STAGE_BYTES = A_STAGE + 2 * W_BOX;          // 52 KB, a multiple of 1 KB (the swizzle's period)
+constexpr int SMEM = STAGES * STAGE_BYTES + 1024;         // + room to align the ring to 1 KB
+constexpr int THREADS = 384;                              // producer warpgroup + 2 consumer warpgroups
+constexpr int CONSUMER_WARPS = 8;
+constexpr long long WAIT_CYCLES = 4000000000LL;           // a wait gives up after this (about 2 s)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// A wait on this CTA's barrier, acquiring at cluster scope (the arrivals may come from the cluster's
+// other CTAs); false once it gave up.
+__device__ bool wait_parity(uint64_t* bar, uint32_t parity) {
+    const long long start = clock64();
+    while (true) {
+        uint32_t ok;
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+        if (ok) return true;
+        if (clock64() - start > WAIT_CYCLES) return false;
+    }
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// A shared-memory matrix descriptor for wgmma: K-major rows of 128 B under the 128 B swizzle, 8-row
+// groups 1 KB apart (what a TMA box of 64 bf16 columns with CU_TENSOR_MAP_SWIZZLE_128B writes). A
+// K step of 16 columns inside the 128 B row adds 32 B to the start address.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+    return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void tma_load(const CUtensorMap* map, uint32_t dst, uint64_t* bar, int col, int row) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(smem_u32(bar)) : "memory");
+}
+
+// L2's evict-first policy (CUTLASS's encoding), which the kernel's swapped tiles put on their weight
+// loads: each weight byte is read once, and the token rows keep their lines.
+constexpr uint64_t EVICT_FIRST = 0x12F0000000000000ull;
+
+// A weight box, evict-first.
+__device__ __forceinline__ void tma_load_once(const CUtensorMap* map, uint32_t dst, uint64_t* bar, int col, int row) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(smem_u32(bar)), "l"(EVICT_FIRST) : "memory");
+}
+
+// The same box into the same offset of every CTA in mask, each CTA's barrier at bar's offset told.
+__device__ __forceinline__ void tma_multicast(const CUtensorMap* map, uint32_t dst, uint64_t* bar, int col, int row,
+                                              uint16_t mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(smem_u32(bar)), "h"(mask) : "memory");
+}
+
+// One m64n160k16 bf16 wgmma: d (80 fp32 a thread) += A(desc_a) * B(desc_b)^T, or = when !accumulate.
+__device__ __forceinline__ void wgmma_m64n160k16(float (&d)[80], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+        "}, %80, %81, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// One launch of a mode. timing[cta] = {globaltimer at start, at end, clock64 at start, at end}.
+__global__ void __launch_bounds__(THREADS, 1)
+    tile_stream(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap amap, int csize,
+                int multicast, int load_a, int mma, int* failed, int* done, float* sink, long long* timing) {
+    extern __shared__ char raw[];
+    char* ring = reinterpret_cast<char*>((uintptr_t(raw) + 1023) & ~uintptr_t(1023));
+    __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = threadIdx.x / 128;
+    long long t0 = 0, c0 = 0;
+    if (threadIdx.x == 0) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        c0 = clock64();
+    }
+    uint32_t rank = 0;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    // A stage is free once every consumer warp that reads it has let it go: this CTA's, and with a
+    // multicast every CTA's of the cluster, since this CTA's loads land in all of them.
+    const int releases = CONSUMER_WARPS * (multicast ? csize : 1);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(full + s)));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(empty + s)), "r"(releases));
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (csize > 1) cluster_sync();  // no CTA loads into a peer before the peer's barriers exist
+    // Cluster c takes units c, c + clusters, ...; a unit is C column tiles of one M tile, one a CTA.
+    const int cluster = blockIdx.x / csize, clusters = gridDim.x / csize, per_m = N_TILES / csize;
+    const int units = M_TILES * per_m;
+    const int n_stages = cluster < units ? (units - cluster + clusters - 1) / clusters * KB : 0;
+    bool ok = true;
+    float total = 0.f;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+        if (warp == 0 && lane == 0) {
+            const uint32_t a_rows = multicast ? TOK / csize : TOK;
+            const uint32_t bytes = 2 * W_BOX + (load_a ? A_STAGE : 0);  // what lands here, from anyone
+            for (int n = 0; n < n_stages; ++n) {
+                const int s = n % STAGES, kb = n % KB, u = cluster + n / KB * clusters;
+                const int m = u / per_m, nt = u % per_m * csize + int(rank);
+                if (n >= STAGES && !(ok = wait_parity(empty + s, ((n / STAGES) & 1) ^ 1))) break;
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + s)),
+                             "r"(bytes) : "memory");
+                const uint32_t stage = smem_u32(ring + s * STAGE_BYTES);
+                tma_load_once(&wmap, stage + A_STAGE, full + s, kb * KBLK, m * 2 * INTER + nt * WROWS);  // gate
+                tma_load_once(&wmap, stage + A_STAGE + W_BOX, full + s, kb * KBLK, m * 2 * INTER + INTER + nt * WROWS);  // up
+                if (load_a && multicast)
+                    tma_multicast(&amap, stage + rank * a_rows * KBLK * 2, full + s, kb * KBLK, m * TOK + rank * a_rows,
+                                  uint16_t((1u << csize) - 1));
+                else if (load_a)
+                    tma_load(&amap, stage, full + s, kb * KBLK, m * TOK);
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+        const int cw = wg - 1;  // this warpgroup's 64 gate rows and 64 up rows of the tile's 128
+        float g[80], up[80];
+#pragma unroll
+        for (int i = 0; i < 80; ++i) g[i] = up[i] = 0.f;
+        for (int n = 0; n < n_stages; ++n) {
+            const int s = n % STAGES, kb = n % KB;
+            // One verdict a warp: its wgmma and the arrival below need every lane.
+            const bool landed = wait_parity(full + s, (n / STAGES) & 1);
+            if (!(ok = __all_sync(0xffffffffu, landed))) break;
+            if (mma) {
+                const uint32_t stage = smem_u32(ring + s * STAGE_BYTES);
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+                for (int k = 0; k < KBLK / 16; ++k) {
+                    const uint64_t rows = sw128_desc(stage + k * 32);
+                    const int acc = kb > 0 || k > 0;
+                    wgmma_m64n160k16(g, sw128_desc(stage + A_STAGE + cw * 64 * 128 + k * 32), rows, acc);
+                    wgmma_m64n160k16(up, sw128_desc(stage + A_STAGE + W_BOX + cw * 64 * 128 + k * 32), rows, acc);
+                }
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                if (kb == KB - 1) {  // the tile's accumulators, folded so that nothing is dead
+#pragma unroll
+                    for (int i = 0; i < 80; ++i) total += g[i] * up[i];
+                }
+            }
+            __syncwarp();
+            if (lane == 0) {
+                if (multicast) {
+                    for (int r = 0; r < csize; ++r) {  // every CTA whose loads land in this stage
+                        uint32_t remote;
+                        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(empty + s)), "r"(r));
+                        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+                    }
+                } else {
+                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + s)) : "memory");
+                }
+            }
+        }
+    }
+    if (!ok) atomicExch(failed, 1);
+    if (total == 1.2345f) sink[0] = total;  // never true in practice; keeps the MMAs' results live
+    __syncthreads();
+    if (csize > 1) cluster_sync();  // no CTA leaves while a peer may still load into it or arrive on it
+    if (threadIdx.x == 0) {
+        long long t1;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+        const long long c1 = clock64();
+        timing[blockIdx.x * 4 + 0] = t0;
+        timing[blockIdx.x * 4 + 1] = t1;
+        timing[blockIdx.x * 4 + 2] = c0;
+        timing[blockIdx.x * 4 + 3] = c1;
+        atomicAdd(done, 1);
+    }
+}
+
+__device__ uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
+// Small bf16 values (exponent 2^-4 .. 2^-1, either sign), so the MMAs run on ordinary numbers.
+__global__ void fill(uint16_t* w, size_t n) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+        const uint32_t h = mix32(uint32_t(i));
+        w[i] = uint16_t(((h >> 31) << 15) | ((123 + (h >> 28 & 3)) << 7) | (h & 0x7f));
+    }
+}
+
+struct Mode {
+    const char* name;
+    int csize, multicast, load_a, mma;
+};
+
+int main(int argc, char** argv) {
+    const int rounds = argc > 1 ? std::atoi(argv[1]) : 11;
+    if (argc > 2 || rounds < 1 || rounds > 1000) {
+        std::printf("usage: %s [rounds: timed launches a mode, 1..1000, default 11]\n", argv[0]);
+        return 2;
+    }
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    if (prop.major != 9) {
+        std::printf("needs a Hopper GPU (sm_90), found sm_%d%d\n", prop.major, prop.minor);
+        return 2;
+    }
+    const int sms = prop.multiProcessorCount;
+    const size_t w_elems = size_t(M_TILES) * 2 * INTER * HID, a_elems = size_t(M_TILES) * TOK * HID;
+    uint16_t *w, *a;
+    CHECK(cudaMalloc(&w, w_elems * 2));  // 512 MiB: E64's gate and up weights, streamed from HBM
+    CHECK(cudaMalloc(&a, a_elems * 2));  // 40 MiB: 160 token rows an expert, in dispatch order
+    fill<<<sms * 4, 1024>>>(w, w_elems);
+    fill<<<sms * 4, 1024>>>(a, a_elems);
+    CHECK(cudaGetLastError());
+
+    PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
+                                           cudaEnableDefault, &q));
+    if (!encode || q != cudaDriverEntryPointSuccess) {
+        std::printf("cuTensorMapEncodeTiled not found\n");
+        return 1;
+    }
+    // A 2D map of rows of HID bf16 with a box of 64 columns x box_rows rows, 128 B swizzle (as the kernel's).
+    auto make_map = [&](void* base, size_t rows, uint32_t box_rows, CUtensorMap* map) {
+        const cuuint64_t dims[2] = {HID, rows};
+        const cuuint64_t strides[1] = {HID * 2};
+        const cuuint32_t box[2] = {KBLK, box_rows}, estr[2] = {1, 1};
+        const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, estr,
+                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        if (r != CUDA_SUCCESS) {
+            std::printf("cuTensorMapEncodeTiled failed (%d)\n", int(r));
+            std::exit(1);
+        }
+    };
+    CUtensorMap wmap, amap[3];  // token-row boxes of 160, 80 and 40 rows (clusters of 1, 2, 4)
+    make_map(w, size_t(M_TILES) * 2 * INTER, WROWS, &wmap);
+    for (int c = 0; c < 3; ++c) make_map(a, size_t(M_TILES) * TOK, TOK >> c, amap + c);
+    CHECK(cudaFuncSetAttribute(tile_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+
+    // One grid for every mode: the CTAs that clusters of 4 fill (a cluster stays inside a GPC).
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = SMEM;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int grid = sms / 4 * 4;
+    for (int c : {2, 4}) {
+        attr[0].val.clusterDim.x = c;
+        attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
+        cfg.gridDim = dim3(sms / c * c);
+        int n = 0;
+        CHECK(cudaOccupancyMaxActiveClusters(&n, tile_stream, &cfg));
+        std::printf("clusters of %d: %d resident (%d CTAs)\n", c, n, n * c);
+        grid = std::min(grid, n * c / 4 * 4);
+    }
+    if (grid < 4) {
+        std::printf("no grid of clusters of 4 fits\n");
+        return 1;
+    }
+    int *failed, *done;
+    float* sink;
+    long long* timing;
+    CHECK(cudaMalloc(&failed, 4));
+    CHECK(cudaMalloc(&done, 4));
+    CHECK(cudaMalloc(&sink, 4));
+    CHECK(cudaMalloc(&timing, size_t(grid) * 4 * 8));
+    CHECK(cudaMemset(failed, 0, 4));
+    std::vector<long long> tim(size_t(grid) * 4);
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+
+    const Mode modes[] = {
+        {"weights only", 1, 0, 0, 1},         {"rows each", 1, 0, 1, 1},           {"rows each", 2, 0, 1, 1},
+        {"multicast", 2, 1, 1, 1},            {"rows each", 4, 0, 1, 1},           {"multicast", 4, 1, 1, 1},
+        {"weights only", 1, 0, 0, 0},         {"rows each", 1, 0, 1, 0},           {"multicast", 2, 1, 1, 0},
+        {"multicast", 4, 1, 1, 0},
+    };
+    std::printf("E64 gate/up tiles at T = 1024: %d tiles of %d token rows x %d gate + %d up rows, K %d, on %d CTAs "
+                "(%.2f tiles a CTA); median of %d launches\n", TILES, TOK, WROWS, WROWS, HID, grid,
+                double(TILES) / grid, rounds);
+    std::printf("%-13s %7s %4s %9s %10s %8s %14s %14s\n", "mode", "cluster", "MMA", "ms", "us a tile", "SM MHz",
+                "into SMs GB/s", "out of L2 GB/s");
+    for (const Mode& md : modes) {
+        attr[0].val.clusterDim.x = md.csize;
+        cfg.gridDim = dim3(grid);
+        const CUtensorMap& am = amap[md.multicast ? (md.csize == 2 ? 1 : 2) : 0];
+        std::vector<float> ms;
+        std::vector<double> mhz;
+        for (int it = 0; it < rounds + 3; ++it) {  // three untimed launches first
+            CHECK(cudaMemset(done, 0, 4));
+            CHECK(cudaEventRecord(e0));
+            CHECK(cudaLaunchKernelEx(&cfg, tile_stream, wmap, am, md.csize, md.multicast, md.load_a, md.mma, failed,
+                                     done, sink, timing));
+            CHECK(cudaEventRecord(e1));
+            CHECK(cudaEventSynchronize(e1));
+            CHECK(cudaGetLastError());
+            int d = 0, f = 0;
+            CHECK(cudaMemcpy(&d, done, 4, cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(&f, failed, 4, cudaMemcpyDeviceToHost));
+            if (d != grid || f) {
+                std::printf("%s, cluster %d: %d of %d CTAs finished%s\n", md.name, md.csize, d, grid,
+                            f ? ", a wait gave up" : "");
+                return 1;
+            }
+            if (it < 3) continue;
+            float t = 0;
+            CHECK(cudaEventElapsedTime(&t, e0, e1));
+            ms.push_back(t);
+            CHECK(cudaMemcpy(tim.data(), timing, tim.size() * 8, cudaMemcpyDeviceToHost));
+            double cycles = 0, ns = 0;
+            for (int c = 0; c < grid; ++c) {
+                ns += double(tim[c * 4 + 1] - tim[c * 4 + 0]);
+                cycles += double(tim[c * 4 + 3] - tim[c * 4 + 2]);
+            }
+            mhz.push_back(ns > 0 ? cycles / ns * 1e3 : 0);
+        }
+        std::vector<float> sorted = ms;
+        std::sort(sorted.begin(), sorted.end());
+        const float t = sorted[sorted.size() / 2];
+        std::sort(mhz.begin(), mhz.end());
+        const double into = double(TILES) * KB * (2 * W_BOX + (md.load_a ? A_STAGE : 0));
+        const double out = double(TILES) * KB * 2 * W_BOX +
+                           (md.load_a ? double(TILES) * KB * A_STAGE / (md.multicast ? md.csize : 1) : 0);
+        std::printf("%-13s %7d %4s %9.3f %10.2f %8.0f %14.0f %14.0f\n", md.name, md.csize, md.mma ? "yes" : "no", t,
+                    t * 1e3 * grid / TILES, mhz[mhz.size() / 2], into / (t * 1e-3) * 1e-9, out / (t * 1e-3) * 1e-9);
+    }
+    return 0;
+}
