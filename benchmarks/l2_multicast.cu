@@ -1,6 +1,7 @@
 // Would serving a tile's token rows once per cluster (TMA multicast) make the 160-row tiles faster?
 //
-//     nvcc -arch=sm_90a -O3 -std=c++17 -o l2_multicast benchmarks/l2_multicast.cu && ./l2_multicast [rounds]
+//     nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o l2_multicast benchmarks/l2_multicast.cu
+//     ./l2_multicast [rounds]
 //
 // Why: at T = 1024 the single launch (E64 K8 H2048 I1024) runs 160-row swapped gate/up tiles, and
 // each of an M tile's 8 column tiles reads the same 160 x rows: 335 MB of the call's 1.31 GB
@@ -19,7 +20,9 @@
 // epilogue. The 512 tiles of E64's gate/up phase (64 M tiles x 8 column tiles of 128) are dealt
 // so that the CTAs that share an M tile run it together. Modes:
 //   weights only   the token rows never loaded: the floor if they were free
-//   rows each      every CTA loads all 160 rows by TMA (one box): today's bytes, contiguous
+//   rows gathered  every CTA gathers its 160 rows from x by cp.async, 16 B a thread, as the kernel
+//                  does (routing drawn as 8 distinct experts a token, padding rows read row 0)
+//   rows each      every CTA loads all 160 rows by TMA (one box) from a dispatch-ordered copy
 //   multicast      each of the cluster's C CTAs loads 160 / C rows and multicasts them to all C
 // Each mode with the MMAs and without (only the loads), at clusters of 1, 2 and 4 CTAs, all on one
 // grid (the CTAs that clusters of 4 can fill), so the modes differ in their loads alone.
@@ -54,6 +57,8 @@ constexpr int STAGE_BYTES = A_STAGE + 2 * W_BOX;          // 52 KB, a multiple o
 constexpr int SMEM = STAGES * STAGE_BYTES + 1024;         // + room to align the ring to 1 KB
 constexpr int THREADS = 384;                              // producer warpgroup + 2 consumer warpgroups
 constexpr int CONSUMER_WARPS = 8;
+constexpr int TOKENS = 1024;                             // x's rows (T)
+constexpr int TOPK = 8;
 constexpr long long WAIT_CYCLES = 4000000000LL;           // a wait gives up after this (about 2 s)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -136,7 +141,7 @@ __device__ __forceinline__ void wgmma_m64n160k16(float (&d)[80], uint64_t desc_a
 // One launch of a mode. timing[cta] = {globaltimer at start, at end, clock64 at start, at end}.
 __global__ void __launch_bounds__(THREADS, 1)
     tile_stream(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap amap, int csize,
-                int multicast, int load_a, int mma, int* failed, int* done, float* sink, long long* timing) {
+                int multicast, int load_a, int mma, int gather, const uint16_t* x, const int* row_token, int* failed, int* done, float* sink, long long* timing) {
     extern __shared__ char raw[];
     char* ring = reinterpret_cast<char*>((uintptr_t(raw) + 1023) & ~uintptr_t(1023));
     __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
@@ -151,9 +156,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     // A stage is free once every consumer warp that reads it has let it go: this CTA's, and with a
     // multicast every CTA's of the cluster, since this CTA's loads land in all of them.
     const int releases = CONSUMER_WARPS * (multicast ? csize : 1);
+    // A stage is full once its TMA bytes landed and, when gathering, each producer warp arrived.
+    const int fills = 1 + (gather ? 4 : 0);
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(full + s)));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(full + s)), "r"(fills));
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(empty + s)), "r"(releases));
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -168,7 +175,52 @@ __global__ void __launch_bounds__(THREADS, 1)
     float total = 0.f;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-        if (warp == 0 && lane == 0) {
+        if (gather) {
+            // Thread t copies the 16-byte chunk t % 8 of rows t / 8 + 16 j into its swizzled place (the
+            // chunk's index XOR the row's within its 8-row group: the 128 B swizzle, as TMA writes);
+            // each warp arrives on a stage's full barrier once its copies landed, one stage late (the
+            // kernel's gather_lag 1), after the async-proxy fence wgmma's reads need.
+            const int chunk = threadIdx.x % 8, row0 = threadIdx.x / 8;
+            int inflight = 0;
+            for (int n = 0; n < n_stages; ++n) {
+                const int s = n % STAGES, kb = n % KB, u = cluster + n / KB * clusters;
+                const int m = u / per_m, nt = u % per_m * csize + int(rank);
+                if (n >= STAGES) {
+                    const bool freed = wait_parity(empty + s, ((n / STAGES) & 1) ^ 1);
+                    if (!(ok = __all_sync(0xffffffffu, freed))) break;
+                }
+                const uint32_t stage = smem_u32(ring + s * STAGE_BYTES);
+                if (warp == 0 && lane == 0) {
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + s)),
+                                 "r"(2 * W_BOX) : "memory");
+                    tma_load_once(&wmap, stage + A_STAGE, full + s, kb * KBLK, m * 2 * INTER + nt * WROWS);
+                    tma_load_once(&wmap, stage + A_STAGE + W_BOX, full + s, kb * KBLK, m * 2 * INTER + INTER + nt * WROWS);
+                }
+#pragma unroll
+                for (int j = 0; j < TOK / 16; ++j) {
+                    const int r = row0 + 16 * j, tok = max(row_token[m * TOK + r], 0);
+                    const uint16_t* src = x + size_t(tok) * HID + kb * KBLK + chunk * 8;
+                    const uint32_t dst = stage + r * 128 + ((chunk ^ (r & 7)) * 16);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+                }
+                asm volatile("cp.async.commit_group;" ::: "memory");
+                if (++inflight > 1) {
+                    asm volatile("cp.async.wait_group 1;" ::: "memory");
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                    __syncwarp();
+                    if (lane == 0)
+                        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + (n + STAGES - 1) % STAGES)) : "memory");
+                    --inflight;
+                }
+            }
+            if (ok && inflight) {  // the last stage's arrival
+                asm volatile("cp.async.wait_group 0;" ::: "memory");
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                __syncwarp();
+                if (lane == 0)
+                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + (n_stages - 1) % STAGES)) : "memory");
+            }
+        } else if (warp == 0 && lane == 0) {
             const uint32_t a_rows = multicast ? TOK / csize : TOK;
             const uint32_t bytes = 2 * W_BOX + (load_a ? A_STAGE : 0);  // what lands here, from anyone
             for (int n = 0; n < n_stages; ++n) {
@@ -263,7 +315,7 @@ __global__ void fill(uint16_t* w, size_t n) {
 
 struct Mode {
     const char* name;
-    int csize, multicast, load_a, mma;
+    int csize, multicast, load_a, mma, gather;
 };
 
 int main(int argc, char** argv) {
@@ -283,8 +335,28 @@ int main(int argc, char** argv) {
     uint16_t *w, *a;
     CHECK(cudaMalloc(&w, w_elems * 2));  // 512 MiB: E64's gate and up weights, streamed from HBM
     CHECK(cudaMalloc(&a, a_elems * 2));  // 40 MiB: 160 token rows an expert, in dispatch order
+    uint16_t* x;
+    CHECK(cudaMalloc(&x, size_t(TOKENS) * HID * 2));  // 4 MiB: the tokens' rows, gathered by cp.async
     fill<<<sms * 4, 1024>>>(w, w_elems);
     fill<<<sms * 4, 1024>>>(a, a_elems);
+    fill<<<sms * 4, 1024>>>(x, size_t(TOKENS) * HID);
+    // Routing: each token to TOPK distinct experts (a fixed hash), an expert's rows in token order,
+    // cut at TOK (about 2.5 standard deviations above the mean of 128) and padded with -1.
+    std::vector<int> row_token_h(size_t(M_TILES) * TOK, -1), rows_of(M_TILES, 0);
+    uint32_t state = 12345u;
+    for (int t = 0; t < TOKENS; ++t) {
+        std::vector<int> picked;
+        while (int(picked.size()) < TOPK) {
+            state = state * 1664525u + 1013904223u;
+            const int e = int(state >> 16) % M_TILES;
+            if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
+        }
+        for (int e : picked)
+            if (rows_of[e] < TOK) row_token_h[size_t(e) * TOK + rows_of[e]++] = t;
+    }
+    int* row_token;
+    CHECK(cudaMalloc(&row_token, row_token_h.size() * 4));
+    CHECK(cudaMemcpy(row_token, row_token_h.data(), row_token_h.size() * 4, cudaMemcpyHostToDevice));
     CHECK(cudaGetLastError());
 
     PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
@@ -349,14 +421,17 @@ int main(int argc, char** argv) {
     CHECK(cudaEventCreate(&e1));
 
     const Mode modes[] = {
-        {"weights only", 1, 0, 0, 1},         {"rows each", 1, 0, 1, 1},           {"rows each", 2, 0, 1, 1},
-        {"multicast", 2, 1, 1, 1},            {"rows each", 4, 0, 1, 1},           {"multicast", 4, 1, 1, 1},
-        {"weights only", 1, 0, 0, 0},         {"rows each", 1, 0, 1, 0},           {"multicast", 2, 1, 1, 0},
-        {"multicast", 4, 1, 1, 0},
+        {"weights only", 1, 0, 0, 1, 0}, {"rows gathered", 1, 0, 1, 1, 1}, {"rows each", 1, 0, 1, 1, 0},
+        {"rows each", 2, 0, 1, 1, 0},    {"multicast", 2, 1, 1, 1, 0},     {"rows each", 4, 0, 1, 1, 0},
+        {"multicast", 4, 1, 1, 1, 0},    {"weights only", 1, 0, 0, 0, 0},  {"rows gathered", 1, 0, 1, 0, 1},
+        {"rows each", 1, 0, 1, 0, 0},    {"multicast", 2, 1, 1, 0, 0},     {"multicast", 4, 1, 1, 0, 0},
     };
     std::printf("E64 gate/up tiles at T = 1024: %d tiles of %d token rows x %d gate + %d up rows, K %d, on %d CTAs "
                 "(%.2f tiles a CTA); median of %d launches\n", TILES, TOK, WROWS, WROWS, HID, grid,
                 double(TILES) / grid, rounds);
+    int real = 0;
+    for (int v : row_token_h) real += v >= 0;
+    std::printf("routing: %d of %d rows hold a token (%.1f%%)\n", real, int(row_token_h.size()), 100.0 * real / row_token_h.size());
     std::printf("%-13s %7s %4s %9s %10s %8s %14s %14s\n", "mode", "cluster", "MMA", "ms", "us a tile", "SM MHz",
                 "into SMs GB/s", "out of L2 GB/s");
     for (const Mode& md : modes) {
@@ -368,7 +443,8 @@ int main(int argc, char** argv) {
         for (int it = 0; it < rounds + 3; ++it) {  // three untimed launches first
             CHECK(cudaMemset(done, 0, 4));
             CHECK(cudaEventRecord(e0));
-            CHECK(cudaLaunchKernelEx(&cfg, tile_stream, wmap, am, md.csize, md.multicast, md.load_a, md.mma, failed,
+            CHECK(cudaLaunchKernelEx(&cfg, tile_stream, wmap, am, md.csize, md.multicast, md.load_a, md.mma,
+                                     md.gather, x, row_token, failed,
                                      done, sink, timing));
             CHECK(cudaEventRecord(e1));
             CHECK(cudaEventSynchronize(e1));
