@@ -23,6 +23,9 @@
 //   rows gathered  every CTA gathers its 160 rows from x by cp.async, 16 B a thread, as the kernel
 //                  does (routing drawn as 8 distinct experts a token, padding rows read row 0)
 //   rows each      every CTA loads all 160 rows by TMA (one box) from a dispatch-ordered copy
+//   half rows      every CTA loads only the first 80 rows (the MMAs as before): half the bytes both
+//                  out of L2 and into each SM, the control that tells the multicast's two bounds apart
+//                  (a multicast over 2 halves only what L2 serves)
 //   multicast      each of the cluster's C CTAs loads 160 / C rows and multicasts them to all C
 // Each mode with the MMAs and without (only the loads), at clusters of 1, 2 and 4 CTAs, all on one
 // grid (the CTAs that clusters of 4 can fill), so the modes differ in their loads alone.
@@ -222,7 +225,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         } else if (warp == 0 && lane == 0) {
             const uint32_t a_rows = multicast ? TOK / csize : TOK;
-            const uint32_t bytes = 2 * W_BOX + (load_a ? A_STAGE : 0);  // what lands here, from anyone
+            const uint32_t bytes = 2 * W_BOX + (load_a ? A_STAGE / load_a : 0);  // what lands here, from anyone
             for (int n = 0; n < n_stages; ++n) {
                 const int s = n % STAGES, kb = n % KB, u = cluster + n / KB * clusters;
                 const int m = u / per_m, nt = u % per_m * csize + int(rank);
@@ -315,7 +318,9 @@ __global__ void fill(uint16_t* w, size_t n) {
 
 struct Mode {
     const char* name;
-    int csize, multicast, load_a, mma, gather;
+    int csize, multicast;
+    int load_a;  // the token rows: 0 not loaded, 1 all 160, 2 the first 80
+    int mma, gather;
 };
 
 int main(int argc, char** argv) {
@@ -422,9 +427,10 @@ int main(int argc, char** argv) {
 
     const Mode modes[] = {
         {"weights only", 1, 0, 0, 1, 0}, {"rows gathered", 1, 0, 1, 1, 1}, {"rows each", 1, 0, 1, 1, 0},
-        {"rows each", 2, 0, 1, 1, 0},    {"multicast", 2, 1, 1, 1, 0},     {"rows each", 4, 0, 1, 1, 0},
-        {"multicast", 4, 1, 1, 1, 0},    {"weights only", 1, 0, 0, 0, 0},  {"rows gathered", 1, 0, 1, 0, 1},
-        {"rows each", 1, 0, 1, 0, 0},    {"multicast", 2, 1, 1, 0, 0},     {"multicast", 4, 1, 1, 0, 0},
+        {"half rows", 1, 0, 2, 1, 0},    {"rows each", 2, 0, 1, 1, 0},     {"multicast", 2, 1, 1, 1, 0},
+        {"rows each", 4, 0, 1, 1, 0},    {"multicast", 4, 1, 1, 1, 0},     {"weights only", 1, 0, 0, 0, 0},
+        {"rows gathered", 1, 0, 1, 0, 1}, {"rows each", 1, 0, 1, 0, 0},    {"half rows", 1, 0, 2, 0, 0},
+        {"multicast", 2, 1, 1, 0, 0},    {"multicast", 4, 1, 1, 0, 0},
     };
     std::printf("E64 gate/up tiles at T = 1024: %d tiles of %d token rows x %d gate + %d up rows, K %d, on %d CTAs "
                 "(%.2f tiles a CTA); median of %d launches\n", TILES, TOK, WROWS, WROWS, HID, grid,
@@ -437,7 +443,7 @@ int main(int argc, char** argv) {
     for (const Mode& md : modes) {
         attr[0].val.clusterDim.x = md.csize;
         cfg.gridDim = dim3(grid);
-        const CUtensorMap& am = amap[md.multicast ? (md.csize == 2 ? 1 : 2) : 0];
+        const CUtensorMap& am = amap[md.multicast ? (md.csize == 2 ? 1 : 2) : md.load_a == 2 ? 1 : 0];
         std::vector<float> ms;
         std::vector<double> mhz;
         for (int it = 0; it < rounds + 3; ++it) {  // three untimed launches first
@@ -473,9 +479,9 @@ int main(int argc, char** argv) {
         std::sort(sorted.begin(), sorted.end());
         const float t = sorted[sorted.size() / 2];
         std::sort(mhz.begin(), mhz.end());
-        const double into = double(TILES) * KB * (2 * W_BOX + (md.load_a ? A_STAGE : 0));
-        const double out = double(TILES) * KB * 2 * W_BOX +
-                           (md.load_a ? double(TILES) * KB * A_STAGE / (md.multicast ? md.csize : 1) : 0);
+        const double rows = md.load_a ? double(TILES) * KB * A_STAGE / md.load_a : 0;  // into the SMs
+        const double into = double(TILES) * KB * 2 * W_BOX + rows;
+        const double out = double(TILES) * KB * 2 * W_BOX + rows / (md.multicast ? md.csize : 1);
         std::printf("%-13s %7d %4s %9.3f %10.2f %8.0f %14.0f %14.0f\n", md.name, md.csize, md.mma ? "yes" : "no", t,
                     t * 1e3 * grid / TILES, mhz[mhz.size() / 2], into / (t * 1e-3) * 1e-9, out / (t * 1e-3) * 1e-9);
     }
