@@ -38,10 +38,6 @@
 #include <string>
 #include <vector>
 
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <cudaTypedefs.h>
-
 #include "l2_probe.cuh"
 
 constexpr int TOK = 160;                                  // token rows a tile (the T = 1024 band)
@@ -63,8 +59,6 @@ constexpr int CONSUMER_WARPS = 8;
 constexpr int TOKENS = 1024;                             // x's rows (T)
 constexpr int TOPK = 8;
 constexpr long long WAIT_CYCLES = 4000000000LL;           // a wait gives up after this (about 2 s)
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 // A wait on this CTA's barrier, acquiring at cluster scope (the arrivals may come from the cluster's
 // other CTAs); false once it gave up.
@@ -300,14 +294,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
-__device__ uint32_t mix32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    return x ^ (x >> 16);
-}
-
 // Small bf16 values (exponent 2^-4 .. 2^-1, either sign), so the MMAs run on ordinary numbers.
 __global__ void fill(uint16_t* w, size_t n) {
     for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -364,30 +350,11 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(row_token, row_token_h.data(), row_token_h.size() * 4, cudaMemcpyHostToDevice));
     CHECK(cudaGetLastError());
 
-    PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
-                                           cudaEnableDefault, &q));
-    if (!encode || q != cudaDriverEntryPointSuccess) {
-        std::printf("cuTensorMapEncodeTiled not found\n");
-        return 1;
-    }
-    // A 2D map of rows of HID bf16 with a box of 64 columns x box_rows rows, 128 B swizzle (as the kernel's).
-    auto make_map = [&](void* base, size_t rows, uint32_t box_rows, CUtensorMap* map) {
-        const cuuint64_t dims[2] = {HID, rows};
-        const cuuint64_t strides[1] = {HID * 2};
-        const cuuint32_t box[2] = {KBLK, box_rows}, estr[2] = {1, 1};
-        const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, estr,
-                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-        if (r != CUDA_SUCCESS) {
-            std::printf("cuTensorMapEncodeTiled failed (%d)\n", int(r));
-            std::exit(1);
-        }
-    };
+    static_assert(KBLK == 64, "rows_map's box is 64 columns wide");
     CUtensorMap wmap, amap[3];  // token-row boxes of 160, 80 and 40 rows (clusters of 1, 2, 4)
-    make_map(w, size_t(M_TILES) * 2 * INTER, WROWS, &wmap);
-    for (int c = 0; c < 3; ++c) make_map(a, size_t(M_TILES) * TOK, TOK >> c, amap + c);
+    if (!rows_map(&wmap, w, HID, size_t(M_TILES) * 2 * INTER, HID * 2, WROWS)) return 1;
+    for (int c = 0; c < 3; ++c)
+        if (!rows_map(amap + c, a, HID, size_t(M_TILES) * TOK, HID * 2, TOK >> c)) return 1;
     CHECK(cudaFuncSetAttribute(tile_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
 
     // One grid for every mode: the CTAs that clusters of 4 fill (a cluster stays inside a GPC).
@@ -450,23 +417,15 @@ int main(int argc, char** argv) {
             CHECK(cudaMemset(done, 0, 4));
             CHECK(cudaEventRecord(e0));
             CHECK(cudaLaunchKernelEx(&cfg, tile_stream, wmap, am, md.csize, md.multicast, md.load_a, md.mma,
-                                     md.gather, x, row_token, failed,
-                                     done, sink, timing));
-            CHECK(cudaEventRecord(e1));
-            CHECK(cudaEventSynchronize(e1));
-            CHECK(cudaGetLastError());
-            int d = 0, f = 0;
-            CHECK(cudaMemcpy(&d, done, 4, cudaMemcpyDeviceToHost));
-            CHECK(cudaMemcpy(&f, failed, 4, cudaMemcpyDeviceToHost));
-            if (d != grid || f) {
-                std::printf("%s, cluster %d: %d of %d CTAs finished%s\n", md.name, md.csize, d, grid,
-                            f ? ", a wait gave up" : "");
+                                     md.gather, x, row_token, failed, done, sink, timing));
+            const Launched l = finish_launch(e0, e1, done, failed);
+            if (l.done != grid || l.gave_up) {
+                std::printf("%s, cluster %d: %d of %d CTAs finished%s\n", md.name, md.csize, l.done, grid,
+                            l.gave_up ? ", a wait gave up" : "");
                 return 1;
             }
             if (it < 3) continue;
-            float t = 0;
-            CHECK(cudaEventElapsedTime(&t, e0, e1));
-            ms.push_back(t);
+            ms.push_back(l.ms);
             CHECK(cudaMemcpy(tim.data(), timing, tim.size() * 8, cudaMemcpyDeviceToHost));
             double cycles = 0, ns = 0;
             for (int c = 0; c < grid; ++c) {

@@ -166,8 +166,6 @@ constexpr int KBLOCKS = GRAIN / (KBLK * 2);             // 32 stages a unit
 constexpr int CONSUMER_WARPS = 4;
 constexpr int TMA_SMEM = STAGES * STAGE_BYTES + 1024;   // + room to align the ring to 1 KB (128 B swizzle)
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
 __device__ bool wait_parity(uint64_t* bar, uint32_t parity) {
     const long long start = clock64();
     while (true) {
@@ -239,16 +237,6 @@ __global__ void __launch_bounds__(32 * (CONSUMER_WARPS + 1), 1)
     if (check && sum) atomicAdd(checksum, sum);
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(done, 1);
-}
-
-// A word's value: a hash of its index (a multiple of the index would make the position-weighted
-// checksum below a multiple of a large power of two, the same whatever landed where).
-__device__ uint32_t mix32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    return x ^ (x >> 16);
 }
 
 __global__ void fill(uint32_t* w, size_t n) {
@@ -426,18 +414,12 @@ int main(int argc, char** argv) {
                 CHECK(cudaEventRecord(e0));
                 stream<<<sms, 1024, SMEM>>>(reinterpret_cast<const uint4*>(buf), list_d, off_d, claimed, done, sink,
                                             epoch);
-                CHECK(cudaEventRecord(e1));
-                CHECK(cudaEventSynchronize(e1));
-                CHECK(cudaGetLastError());
-                int d = 0;
-                CHECK(cudaMemcpy(&d, done, 4, cudaMemcpyDeviceToHost));
-                if (d != sms) {
-                    std::printf("  %s reuse %d: %d of %d SMs ran\n", mode, reuse, d, sms);
+                const Launched run = finish_launch(e0, e1, done, nullptr);
+                if (run.done != sms) {
+                    std::printf("  %s reuse %d: %d of %d SMs ran\n", mode, reuse, run.done, sms);
                     break;
                 }
-                float t = 0;
-                CHECK(cudaEventElapsedTime(&t, e0, e1));
-                if (it >= 3) ms.push_back(t);
+                if (it >= 3) ms.push_back(run.ms);
             }
             if (ms.empty()) continue;
             std::sort(ms.begin(), ms.end());
@@ -447,29 +429,12 @@ int main(int argc, char** argv) {
         }
     }
     // Phase 4.
-    PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
-                                           cudaEnableDefault, &q));
-    if (!encode || q != cudaDriverEntryPointSuccess) {
-        std::printf("phase 4: cuTensorMapEncodeTiled not found\n");
-        return 1;
-    }
     fill<<<sms * 4, 1024>>>(reinterpret_cast<uint32_t*>(buf), grains * GRAIN / 4);
     CHECK(cudaGetLastError());
-    CUtensorMap maps[2];
-    for (int m = 0; m < 2; ++m) {
-        const cuuint64_t dims[2] = {GRAIN / 2, grains};
-        const cuuint64_t strides[1] = {GRAIN};
-        const cuuint32_t box[2] = {KBLK, cuuint32_t(m ? 1 : TILE_ROWS)}, estr[2] = {1, 1};
-        const CUresult r = encode(maps + m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, buf, dims, strides, box, estr,
-                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-        if (r != CUDA_SUCCESS) {
-            std::printf("phase 4: cuTensorMapEncodeTiled failed (%d)\n", int(r));
-            return 1;
-        }
-    }
+    static_assert(KBLK == 64, "rows_map's box is 64 columns wide");
+    CUtensorMap maps[2];  // a box of TILE_ROWS rows, a box of one row
+    for (int m = 0; m < 2; ++m)
+        if (!rows_map(maps + m, buf, GRAIN / 2, grains, GRAIN, m ? 1 : TILE_ROWS)) return 1;
     CHECK(cudaFuncSetAttribute(tma_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, TMA_SMEM));
     // Rows in unit order: contiguous units first (row g is granule g), then partition A's homed rows,
     // then B's, each cut to whole units.
@@ -516,20 +481,14 @@ int main(int argc, char** argv) {
                 tma_stream<<<sms, 32 * (CONSUMER_WARPS + 1), TMA_SMEM>>>(maps[box_rows == 1], box_rows, issuers, rows_d, list_d,
                                                                          off_d, claimed, done, failed, checksum,
                                                                          epoch, check);
-                CHECK(cudaEventRecord(e1));
-                CHECK(cudaEventSynchronize(e1));
-                CHECK(cudaGetLastError());
-                int d = 0, f = 0;
-                CHECK(cudaMemcpy(&d, done, 4, cudaMemcpyDeviceToHost));
-                CHECK(cudaMemcpy(&f, failed, 4, cudaMemcpyDeviceToHost));
-                if (d != sms || f) {
-                    std::printf("  %s reuse %d: %d of %d SMs ran%s\n", mode, reuse, d, sms, f ? ", a wait gave up" : "");
+                const Launched run = finish_launch(e0, e1, done, failed);
+                if (run.done != sms || run.gave_up) {
+                    std::printf("  %s reuse %d: %d of %d SMs ran%s\n", mode, reuse, run.done, sms,
+                                run.gave_up ? ", a wait gave up" : "");
                     return 1;
                 }
                 if (check && !near && reuse == 1) CHECK(cudaMemcpy(sums + (box_rows == 1 ? (issuers == 1 ? 1 : 2) : 0), checksum, 4, cudaMemcpyDeviceToHost));
-                float t = 0;
-                CHECK(cudaEventElapsedTime(&t, e0, e1));
-                if (it >= 4) ms.push_back(t);
+                if (it >= 4) ms.push_back(run.ms);
             }
             std::sort(ms.begin(), ms.end());
             const double t = ms[ms.size() / 2] * 1e-3, bytes = double(l.list.size()) * TILE_ROWS * GRAIN;
