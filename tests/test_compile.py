@@ -174,7 +174,9 @@ def test_cluster_build_multicasts_the_weight_tiles(tmp_path):
 def test_single_launch_in_pairs_multicasts_the_h_rows(tmp_path):
     """Plan override launch_cluster_n: 2: the single launch's bands in clusters of 2 CTAs compile
     to HGMMA without spills, multicast the down tiles' h rows (TMA), hand the tile pairs over by
-    st.async into the peer's shared memory, and meet at the cluster's barrier before they leave."""
+    st.async into the peer's shared memory, push each half of the gathered x rows into the peer's
+    stage by bulk copy where the halves are whole gather rounds (not at 48 rows), and meet at the
+    cluster's barrier before they leave."""
     import sys
 
     from mokgen.codegen.render import render, write_tree
@@ -182,7 +184,7 @@ def test_single_launch_in_pairs_multicasts_the_h_rows(tmp_path):
 
     plan = make_plan(SPECS[0], overrides={"launch_cluster_n": 2})
     write_tree(render(plan), tmp_path / "v")
-    names = ("gemm_fused_n16", "gemm_fused_n160", "gemm_fused_n160_routed")
+    names = ("gemm_fused_n16", "gemm_fused_n48", "gemm_fused_n160", "gemm_fused_n160_routed")
     subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / "v"), str(tmp_path / "b"),
                     *names], check=True, capture_output=True)
     tool = nvdisasm()
@@ -193,6 +195,7 @@ def test_single_launch_in_pairs_multicasts_the_h_rows(tmp_path):
                               check=True).stdout
         assert "HGMMA" in sass and "UTMALDG.2D.MULTICAST" in sass, name
         assert "STAS" in sass and "UCGABAR_WAIT" in sass, name
+        assert ("UBLKCP.S.S" in sass) == (name != "gemm_fused_n48"), name
         assert not any(op in sass for op in ("LDL", "STL")), name
 
 

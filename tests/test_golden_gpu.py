@@ -634,7 +634,9 @@ def test_every_band_of_the_single_launch_is_golden_and_gives_the_multi_kernel_bi
 
 
 # The single launch's bands in pairs of CTAs (Plan override launch_cluster_n, an experiment): 2-CTA
-# clusters take two column tiles of one M tile together and multicast the down tiles' h rows. Only
+# clusters take two column tiles of one M tile together, multicast the down tiles' h rows and push
+# each half of the gate/up tiles' gathered x rows into the other's stage (bands of 16, 32, 64, 96 and
+# 160 rows at E64; the others gather all of them in both CTAs). Only
 # layers with even numbers of gate/up and down column tiles (E64, E128; not E40's I = 640).
 PAIRS_OVERRIDES = {"launch_cluster_n": 2}
 

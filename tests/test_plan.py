@@ -713,6 +713,12 @@ def test_pair_clusters_of_the_single_launch():
     assert len(bands) >= 2 and all(k.params["cluster_n"] == 2 for k in bands)
     assert all(k.smem_bytes == plain.kernel(k.name).smem_bytes + 2 * 20 for k in bands)
     assert all("cluster_n" not in k.params for k in p.kernels if not k.name.startswith("gemm_fused_n"))
+    # The x rows are split between the pair where each half is whole gather rounds (16 rows at a
+    # 64-wide K block, 8 at a 128-wide one).
+    gathers = {k.name: k.params["pair_gather"] for k in bands if not k.name.endswith("_routed")}
+    assert gathers == {"gemm_fused_n16": True, "gemm_fused_n32": True, "gemm_fused_n48": False,
+                       "gemm_fused_n64": True, "gemm_fused_n80": False, "gemm_fused_n96": True,
+                       "gemm_fused_n112": False, "gemm_fused_n144": False, "gemm_fused_n160": True}
     assert any("clusters of 2 CTAs" in d for d in p.decisions)
     with pytest.raises(PlanError, match="even number"):  # E40 I640: 5 gate/up column tiles of 128
         make_plan(MoESpec(experts=40, topk=6, hidden=1536, intermediate=640), overrides={"launch_cluster_n": 2})

@@ -871,7 +871,9 @@ def swapped_bands(gemm: GemmMaker, bands: list, spec: MoESpec, counters: Counter
             + ("each CTA counts every expert's pairs itself" if bp["dispatch"]["local_count"] else
                "dispatch by chunks of pairs")
             + ("; clusters of 2 CTAs on two column tiles of one M tile, each loading half of a down tile's "
-               "h rows and multicasting them to both" if bp.get("cluster_n", 1) == 2 else ""))
+               "h rows and multicasting them to both" + (", and gathering half of a gate/up tile's x rows and "
+                                                       "pushing them into the other's stage" if bp["pair_gather"] else "")
+               if bp.get("cluster_n", 1) == 2 else ""))
     return rows_w
 
 
@@ -884,8 +886,9 @@ def pair_clusters(band: KernelPlan, I: int, H: int) -> None:
     """Plan override launch_cluster_n: 2 (an experiment): the band's single launch runs in clusters
     of 2 CTAs that take neighbouring tiles of the launch's order together, two column tiles of one M
     tile, so each down tile's h rows are read from L2 once per cluster (each CTA loads half and
-    multicasts it) instead of once per CTA. Pairs never straddle an M tile or a tile kind only when
-    both kinds have an even number of column tiles."""
+    multicasts it) instead of once per CTA, and so are a gate/up tile's x rows where the halves are
+    whole gather rounds (each CTA gathers half and pushes it into the other's stage). Pairs never
+    straddle an M tile or a tile kind only when both kinds have an even number of column tiles."""
     p = band.params
     n_tiles, n2_tiles = I // p["tile_n"], H // (2 * p["tile_n"])
     if n_tiles % 2 or n2_tiles % 2:
@@ -894,6 +897,11 @@ def pair_clusters(band: KernelPlan, I: int, H: int) -> None:
     if (p["tile_m"] // 2) % 8:
         raise PlanError(f"launch_cluster_n=2 needs tiles of a multiple of 16 token rows, got {p['tile_m']}")
     p["cluster_n"] = 2
+    # The gate/up tiles' x rows too, where each CTA's half is whole rounds of the gather (a round:
+    # WARPGROUP_THREADS / (tile_k / VEC) rows, 16 at a 64-wide K block): each CTA gathers its half and
+    # pushes it into the peer's stage. Elsewhere (16, 48, 80, 112, 144 rows) both gather all rows.
+    round_rows = WARPGROUP_THREADS // (p["tile_k"] // p["vec"])
+    p["pair_gather"] = (p["tile_m"] // 2) % round_rows == 0
     band.smem_bytes += p["sched_stages"] * MAILBOX_BYTES_PER_SLOT
 
 
