@@ -187,6 +187,15 @@ def test_single_launch_in_pairs_multicasts_the_h_rows(tmp_path):
     names = ("gemm_fused_n16", "gemm_fused_n48", "gemm_fused_n160", "gemm_fused_n160_routed")
     subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / "v"), str(tmp_path / "b"),
                     *names], check=True, capture_output=True)
+    import re
+
+    for name in names:  # a push completes on the peer's barrier: its destination and barrier both mapped
+        ptx = (tmp_path / "b" / f"{name}.ptx").read_text()
+        mapped = set(re.findall(r"mapa\.shared::cluster\.u32\s+(%r\d+),", ptx))
+        pushes = re.findall(r"cp\.async\.bulk\.shared::cluster\.shared::cta\.mbarrier::complete_tx::bytes "
+                            r"\[(%r\d+)\], \[[^]]+\], %r\d+, \[(%r\d+)\];", ptx)
+        assert bool(pushes) == (name != "gemm_fused_n48"), name
+        assert all(dst in mapped and bar in mapped for dst, bar in pushes), name
     tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed")
