@@ -16,7 +16,8 @@
 #             and the TMA loads of weight rows in one box a stage or one box a row, from one lane or a warp)
 #   l2mcast: whether a TMA multicast of the token rows over a cluster of 2 or 4 CTAs makes the 160-row gate/up
 #            tiles faster (benchmarks/l2_multicast.cu: the tiles' TMA loads and wgmma, no epilogue; the rows not
-#            loaded at all, loaded by every CTA, multicast; with and without the MMAs)
+#            loaded at all, loaded by every CTA, multicast, or gathered half by each CTA of a pair and pushed into the
+#            other's shared memory; with and without the MMAs)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
 #           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)
 set -uo pipefail

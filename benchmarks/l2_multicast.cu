@@ -27,6 +27,9 @@
 //                  out of L2 and into each SM, the control that tells the multicast's two bounds apart
 //                  (a multicast over 2 halves only what L2 serves)
 //   multicast      each of the cluster's C CTAs loads 160 / C rows and multicasts them to all C
+//   rows pushed    each CTA of a pair gathers its 80 rows by cp.async and, once its four producer
+//                  warps' copies of a stage landed, pushes them into the peer's stage (cp.async.bulk
+//                  between the two CTAs' shared memory): the mokgen experiment launch_cluster_n: 2
 // Each mode with the MMAs and without (only the loads), at clusters of 1, 2 and 4 CTAs, all on one
 // grid (the CTAs that clusters of 4 can fill), so the modes differ in their loads alone.
 // Prints the median of the timed launches, a tile's time on one SM, the SM clock (clock64 over
@@ -100,6 +103,17 @@ __device__ __forceinline__ void tma_load_once(const CUtensorMap* map, uint32_t d
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
         " [%0], [%1, {%2, %3}], [%4], %5;"
         ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(smem_u32(bar)), "l"(EVICT_FIRST) : "memory");
+}
+
+// A run of this CTA's shared memory into the same address of the peer's, completing its bytes on the
+// peer's mbarrier at bar's address (the destination and the barrier both mapped to the peer).
+__device__ __forceinline__ void push_to_peer(uint32_t local, uint32_t bytes, uint64_t* bar, uint32_t peer) {
+    asm volatile(
+        "{ .reg .b32 d, m;\n"
+        "mapa.shared::cluster.u32 d, %0, %3;\n"
+        "mapa.shared::cluster.u32 m, %2, %3;\n"
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [d], [%0], %1, [m]; }"
+        ::"r"(local), "r"(bytes), "r"(smem_u32(bar)), "r"(peer) : "memory");
 }
 
 // The same box into the same offset of every CTA in mask, each CTA's barrier at bar's offset told.
@@ -177,7 +191,12 @@ __global__ void __launch_bounds__(THREADS, 1)
             // chunk's index XOR the row's within its 8-row group: the 128 B swizzle, as TMA writes);
             // each warp arrives on a stage's full barrier once its copies landed, one stage late (the
             // kernel's gather_lag 1), after the async-proxy fence wgmma's reads need.
+            // Pushed (a pair, multicast): this CTA gathers only its half of the rows, and thread 0 pushes
+            // them into the peer's stage once all four warps' copies of the stage landed (bar.sync 1).
             const int chunk = threadIdx.x % 8, row0 = threadIdx.x / 8;
+            const bool push = multicast && csize == 2;
+            const int j0 = push ? int(rank) * (TOK / 32) : 0, j1 = push ? j0 + TOK / 32 : TOK / 16;
+            const uint32_t half = TOK / 2 * KBLK * 2;  // bytes of a half of a stage's rows
             int inflight = 0;
             for (int n = 0; n < n_stages; ++n) {
                 const int s = n % STAGES, kb = n % KB, u = cluster + n / KB * clusters;
@@ -189,12 +208,12 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const uint32_t stage = smem_u32(ring + s * STAGE_BYTES);
                 if (warp == 0 && lane == 0) {
                     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + s)),
-                                 "r"(2 * W_BOX) : "memory");
+                                 "r"(2 * W_BOX + (push ? half : 0)) : "memory");
                     tma_load_once(&wmap, stage + A_STAGE, full + s, kb * KBLK, m * 2 * INTER + nt * WROWS);
                     tma_load_once(&wmap, stage + A_STAGE + W_BOX, full + s, kb * KBLK, m * 2 * INTER + INTER + nt * WROWS);
                 }
 #pragma unroll
-                for (int j = 0; j < TOK / 16; ++j) {
+                for (int j = j0; j < j1; ++j) {
                     const int r = row0 + 16 * j, tok = max(row_token[m * TOK + r], 0);
                     const uint16_t* src = x + size_t(tok) * HID + kb * KBLK + chunk * 8;
                     const uint32_t dst = stage + r * 128 + ((chunk ^ (r & 7)) * 16);
@@ -202,20 +221,31 @@ __global__ void __launch_bounds__(THREADS, 1)
                 }
                 asm volatile("cp.async.commit_group;" ::: "memory");
                 if (++inflight > 1) {
+                    const int prev = (n + STAGES - 1) % STAGES;
                     asm volatile("cp.async.wait_group 1;" ::: "memory");
                     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                     __syncwarp();
                     if (lane == 0)
-                        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + (n + STAGES - 1) % STAGES)) : "memory");
+                        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + prev)) : "memory");
+                    if (push) {
+                        asm volatile("bar.sync 1, 128;" ::: "memory");
+                        if (threadIdx.x == 0)
+                            push_to_peer(smem_u32(ring + prev * STAGE_BYTES) + rank * half, half, full + prev, rank ^ 1);
+                    }
                     --inflight;
                 }
             }
             if (ok && inflight) {  // the last stage's arrival
+                const int last = (n_stages - 1) % STAGES;
                 asm volatile("cp.async.wait_group 0;" ::: "memory");
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                 __syncwarp();
                 if (lane == 0)
-                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + (n_stages - 1) % STAGES)) : "memory");
+                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + last)) : "memory");
+                if (push) {
+                    asm volatile("bar.sync 1, 128;" ::: "memory");
+                    if (threadIdx.x == 0) push_to_peer(smem_u32(ring + last * STAGE_BYTES) + rank * half, half, full + last, rank ^ 1);
+                }
             }
         } else if (warp == 0 && lane == 0) {
             const uint32_t a_rows = multicast ? TOK / csize : TOK;
@@ -397,7 +427,8 @@ int main(int argc, char** argv) {
         {"half rows", 1, 0, 2, 1, 0},    {"rows each", 2, 0, 1, 1, 0},     {"multicast", 2, 1, 1, 1, 0},
         {"rows each", 4, 0, 1, 1, 0},    {"multicast", 4, 1, 1, 1, 0},     {"weights only", 1, 0, 0, 0, 0},
         {"rows gathered", 1, 0, 1, 0, 1}, {"rows each", 1, 0, 1, 0, 0},    {"half rows", 1, 0, 2, 0, 0},
-        {"multicast", 2, 1, 1, 0, 0},    {"multicast", 4, 1, 1, 0, 0},
+        {"multicast", 2, 1, 1, 0, 0},    {"multicast", 4, 1, 1, 0, 0},     {"rows gathered", 2, 0, 1, 1, 1},
+        {"rows pushed", 2, 1, 1, 1, 1},  {"rows pushed", 2, 1, 1, 0, 1},
     };
     std::printf("E64 gate/up tiles at T = 1024: %d tiles of %d token rows x %d gate + %d up rows, K %d, on %d CTAs "
                 "(%.2f tiles a CTA); median of %d launches\n", TILES, TOK, WROWS, WROWS, HID, grid,
