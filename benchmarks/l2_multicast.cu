@@ -197,6 +197,19 @@ __global__ void __launch_bounds__(THREADS, 1)
             const bool push = multicast && csize == 2;
             const int j0 = push ? int(rank) * (TOK / 32) : 0, j1 = push ? j0 + TOK / 32 : TOK / 16;
             const uint32_t half = TOK / 2 * KBLK * 2;  // bytes of a half of a stage's rows
+            // A stage's gathers done: this warp's copies landed and fenced for wgmma's reads, its
+            // arrival, and in a pair the push of this CTA's half (once every warp's copies landed).
+            auto release = [&](int stage) {
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                __syncwarp();
+                if (lane == 0)
+                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + stage)) : "memory");
+                if (push) {
+                    asm volatile("bar.sync 1, 128;" ::: "memory");
+                    if (threadIdx.x == 0)
+                        push_to_peer(smem_u32(ring + stage * STAGE_BYTES) + rank * half, half, full + stage, rank ^ 1);
+                }
+            };
             int inflight = 0;
             for (int n = 0; n < n_stages; ++n) {
                 const int s = n % STAGES, kb = n % KB, u = cluster + n / KB * clusters;
@@ -221,31 +234,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                 }
                 asm volatile("cp.async.commit_group;" ::: "memory");
                 if (++inflight > 1) {
-                    const int prev = (n + STAGES - 1) % STAGES;
                     asm volatile("cp.async.wait_group 1;" ::: "memory");
-                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                    __syncwarp();
-                    if (lane == 0)
-                        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + prev)) : "memory");
-                    if (push) {
-                        asm volatile("bar.sync 1, 128;" ::: "memory");
-                        if (threadIdx.x == 0)
-                            push_to_peer(smem_u32(ring + prev * STAGE_BYTES) + rank * half, half, full + prev, rank ^ 1);
-                    }
+                    release((n + STAGES - 1) % STAGES);
                     --inflight;
                 }
             }
-            if (ok && inflight) {  // the last stage's arrival
-                const int last = (n_stages - 1) % STAGES;
+            if (ok && inflight) {  // the last stage
                 asm volatile("cp.async.wait_group 0;" ::: "memory");
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                __syncwarp();
-                if (lane == 0)
-                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + last)) : "memory");
-                if (push) {
-                    asm volatile("bar.sync 1, 128;" ::: "memory");
-                    if (threadIdx.x == 0) push_to_peer(smem_u32(ring + last * STAGE_BYTES) + rank * half, half, full + last, rank ^ 1);
-                }
+                release((n_stages - 1) % STAGES);
             }
         } else if (warp == 0 && lane == 0) {
             const uint32_t a_rows = multicast ? TOK / csize : TOK;

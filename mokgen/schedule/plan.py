@@ -894,8 +894,6 @@ def pair_clusters(band: KernelPlan, I: int, H: int) -> None:
     if n_tiles % 2 or n2_tiles % 2:
         raise PlanError(f"launch_cluster_n=2 needs an even number of gate/up and down column tiles, "
                         f"got {n_tiles} and {n2_tiles}")
-    if (p["tile_m"] // 2) % 8:
-        raise PlanError(f"launch_cluster_n=2 needs tiles of a multiple of 16 token rows, got {p['tile_m']}")
     p["cluster_n"] = 2
     # The gate/up tiles' x rows too, where each CTA's half is whole rounds of the gather (a round:
     # WARPGROUP_THREADS / (tile_k / VEC) rows, 16 at a 64-wide K block): each CTA gathers its half and
