@@ -11,8 +11,8 @@ from mokgen.codegen.build import build_profiling
 from mokgen.ir import PRESETS, MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_golden_gpu import (BROKEN_BUILDS, FUSED_OVERRIDES, PAIRS_OVERRIDES, SAME_BITS_EXPERIMENTS, SHAPES,  # noqa: E402
-                             WAVE_OVERRIDES, deadlock_dir, experiment_dir, fused_dir, spec_of)
+from test_golden_gpu import (BROKEN_BUILDS, FUSED_OVERRIDES, SAME_BITS_EXPERIMENTS, SHAPES, WAVE_OVERRIDES,  # noqa: E402
+                             deadlock_dir, experiment_dir, fused_dir, spec_of)
 
 force = "--force" in sys.argv
 specs = [spec_of(s) for s in SHAPES]
@@ -103,9 +103,6 @@ for spec in shared_layers:
     build(spec, default_out(), force=force, log=lambda m: None)
 for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[3], SHAPES[4])] + shared_layers:
     build(spec, fused_dir(), overrides=FUSED_OVERRIDES, force=force, log=lambda m: None)
-# The single launch in pairs of CTAs (an experiment): where the column tiles pair up (E64, E128).
-for shape in (SHAPES[0], SHAPES[1]):
-    build(spec_of(shape), experiment_dir("pairs"), overrides=PAIRS_OVERRIDES, force=force, log=lambda m: None)
 # The same-bits experiments: tested on three shapes, benchmarked on the bench's three.
 for name, overrides in SAME_BITS_EXPERIMENTS.items():
     for spec in [spec_of(s) for s in (SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4])] + specs[-1:] \

@@ -10,9 +10,8 @@ the median over rounds of the two builds' ratio within a round.
                                             [--rounds R] [--eager] [--json PATH]
 
 NAME is fused, cluster2, per_expert, multi, apart, wave, nosmall (the Plan without the single
-launch's bands by T: its plain 128-row tiles at every T), nopairs (without weight pairs), late (the
-single launch's combine after every down tile and a status_mirror launch behind it) or pairs (the
-single launch's bands in 2-CTA clusters that share their token rows), or any other directory under
+launch's bands by T: its plain 128-row tiles at every T), nopairs (without weight pairs) or late (the
+single launch's combine after every down tile and a status_mirror launch behind it), or any other directory under
 generated/experiments; several names, comma-separated, are timed side by side in the same rounds, each against the default build.
 V defaults to the OLMoE layer. --eager also times the builds called directly (launch overhead
 included).

@@ -29,7 +29,8 @@
 //   multicast      each of the cluster's C CTAs loads 160 / C rows and multicasts them to all C
 //   rows pushed    each CTA of a pair gathers its 80 rows by cp.async and, once its four producer
 //                  warps' copies of a stage landed, pushes them into the peer's stage (cp.async.bulk
-//                  between the two CTAs' shared memory): the mokgen experiment launch_cluster_n: 2
+//                  between the two CTAs' shared memory), as the pairs experiment did (measured
+//                  slower and removed: docs/perf.md)
 // Each mode with the MMAs and without (only the loads), at clusters of 1, 2 and 4 CTAs, all on one
 // grid (the CTAs that clusters of 4 can fill), so the modes differ in their loads alone.
 // Prints the median of the timed launches, a tile's time on one SM, the SM clock (clock64 over

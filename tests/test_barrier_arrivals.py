@@ -28,7 +28,6 @@ PLANS = {
                       {f"{g}.half_tail": 0 for g in FP8_GEMMS}),
     "fp8_cluster": (MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, dtype="fp8"),
                     {"gemm_gateup_fp8.cluster": 2, "gemm_down_fp8.cluster": 2}),
-    "pairs": (PRESETS["olmoe"], {"launch_cluster_n": 2}),
     "ep2": (MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024, world_size=2, topology="nvlink"), {}),
 }
 

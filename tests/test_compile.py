@@ -171,43 +171,6 @@ def test_cluster_build_multicasts_the_weight_tiles(tmp_path):
         assert not any(op in sass for op in ("LDL", "STL")), name
 
 
-def test_single_launch_in_pairs_multicasts_the_h_rows(tmp_path):
-    """Plan override launch_cluster_n: 2: the single launch's bands in clusters of 2 CTAs compile
-    to HGMMA without spills, multicast the down tiles' h rows (TMA), hand the tile pairs over by
-    st.async into the peer's shared memory, push each half of the gathered x rows into the peer's
-    stage by bulk copy where the halves are whole gather rounds (not at 48 rows), and meet at the
-    cluster's barrier before they leave."""
-    import sys
-
-    from mokgen.codegen.render import render, write_tree
-    from mokgen.schedule import make_plan
-
-    plan = make_plan(SPECS[0], overrides={"launch_cluster_n": 2})
-    write_tree(render(plan), tmp_path / "v")
-    names = ("gemm_fused_n16", "gemm_fused_n48", "gemm_fused_n160", "gemm_fused_n160_routed")
-    subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / "v"), str(tmp_path / "b"),
-                    *names], check=True, capture_output=True)
-    import re
-
-    for name in names:  # a push completes on the peer's barrier: its destination and barrier both mapped
-        ptx = (tmp_path / "b" / f"{name}.ptx").read_text()
-        mapped = set(re.findall(r"mapa\.shared::cluster\.u32\s+(%r\d+),", ptx))
-        pushes = re.findall(r"cp\.async\.bulk\.shared::cluster\.shared::cta\.mbarrier::complete_tx::bytes "
-                            r"\[(%r\d+)\], \[[^]]+\], %r\d+, \[(%r\d+)\];", ptx)
-        assert bool(pushes) == (name != "gemm_fused_n48"), name
-        assert all(dst in mapped and bar in mapped for dst, bar in pushes), name
-    tool = nvdisasm()
-    if tool is None:
-        pytest.skip("nvdisasm not installed")
-    for name in names:
-        sass = subprocess.run([tool, str(tmp_path / "b" / f"{name}.cubin")], capture_output=True, text=True,
-                              check=True).stdout
-        assert "HGMMA" in sass and "UTMALDG.2D.MULTICAST" in sass, name
-        assert "STAS" in sass and "UCGABAR_WAIT" in sass, name
-        assert ("UBLKCP.S.S" in sass) == (name != "gemm_fused_n48"), name
-        assert not any(op in sass for op in ("LDL", "STL")), name
-
-
 def test_rebuild_is_a_no_op_and_failed_build_leaves_nothing(built, tmp_path, monkeypatch):
     import importlib
 

@@ -633,38 +633,6 @@ def test_every_band_of_the_single_launch_is_golden_and_gives_the_multi_kernel_bi
         assert torch.equal(got, run_poisoned(multi, inputs)), (T, plain.forward_entry(T))
 
 
-# The single launch's bands in pairs of CTAs (Plan override launch_cluster_n, an experiment): 2-CTA
-# clusters take two column tiles of one M tile together, multicast the down tiles' h rows and push
-# each half of the gate/up tiles' gathered x rows into the other's stage (bands of 16, 32, 64, 96 and
-# 160 rows at E64; the others gather all of them in both CTAs). Only
-# layers with even numbers of gate/up and down column tiles (E64, E128; not E40's I = 640).
-PAIRS_OVERRIDES = {"launch_cluster_n": 2}
-
-
-@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped"])
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1]], ids=lambda s: "e{}k{}h{}i{}s{}".format(*s))
-def test_single_launch_in_pairs_gives_the_default_bits(shape, routing, gen):
-    """Every band of the single launch in pairs, at the first, a middle and the last T of its band:
-    no NaN with poisoned workspace and output, the default build's bits, and routed from logits
-    the default routing twin's bits; no error code."""
-    import mokgen
-    from mokgen.runtime import Variant
-    from mokgen.verify import run_poisoned
-
-    plain = mokgen.load(spec_of(shape))
-    pairs = Variant(built_path(spec_of(shape), experiment_dir("pairs"), PAIRS_OVERRIDES))
-    for T in band_tokens(plain.plan):
-        inputs = make_inputs(shape, T, routing, gen)
-        got = run_poisoned(pairs, inputs)
-        assert not torch.isnan(got).any(), (T, pairs.forward_entry(T))
-        assert torch.equal(got, run_poisoned(plain, inputs)), (T, pairs.forward_entry(T))
-        x, _, _, wg, wu, wd, _ = inputs
-        logits = torch.randn(T, shape[0], device="cuda", generator=gen)
-        for a, b in zip(pairs.forward_routed(x, logits, wg, wu, wd), plain.forward_routed(x, logits, wg, wu, wd)):
-            assert torch.equal(a, b), T
-    pairs.check_errors()
-
-
 # The fused launch claiming its tiles in wavefront order (down tiles from early on, 33 M tiles
 # of gate/up tiles behind): the order changes when a tile runs, never its bits.
 WAVE_OVERRIDES = {"gemm_fused.wave_lag": 33}

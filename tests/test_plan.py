@@ -702,30 +702,6 @@ def test_cluster_plan_pairs_an_experts_m_tiles():
         make_plan(PRESETS["olmoe"], overrides={"cluster_m": 3})
 
 
-def test_pair_clusters_of_the_single_launch():
-    """Plan override launch_cluster_n: 2 runs every band of swapped tiles (and its routing twin) in
-    clusters of 2 CTAs on two column tiles of one M tile, with room for their mailbox; the other
-    kernels are as before. A layer whose gate/up or down column tiles are odd in number cannot
-    pair them, and an illegal size is refused."""
-    plain = make_plan(PRESETS["olmoe"])
-    p = make_plan(PRESETS["olmoe"], overrides={"launch_cluster_n": 2})
-    bands = [k for k in p.kernels if k.name.startswith("gemm_fused_n")]
-    assert len(bands) >= 2 and all(k.params["cluster_n"] == 2 for k in bands)
-    assert all(k.smem_bytes == plain.kernel(k.name).smem_bytes + 2 * 20 for k in bands)
-    assert all("cluster_n" not in k.params for k in p.kernels if not k.name.startswith("gemm_fused_n"))
-    # The x rows are split between the pair where each half is whole gather rounds (16 rows at a
-    # 64-wide K block, 8 at a 128-wide one).
-    gathers = {k.name: k.params["pair_gather"] for k in bands if not k.name.endswith("_routed")}
-    assert gathers == {"gemm_fused_n16": True, "gemm_fused_n32": True, "gemm_fused_n48": False,
-                       "gemm_fused_n64": True, "gemm_fused_n80": False, "gemm_fused_n96": True,
-                       "gemm_fused_n112": False, "gemm_fused_n144": False, "gemm_fused_n160": True}
-    assert any("clusters of 2 CTAs" in d for d in p.decisions)
-    with pytest.raises(PlanError, match="even number"):  # E40 I640: 5 gate/up column tiles of 128
-        make_plan(MoESpec(experts=40, topk=6, hidden=1536, intermediate=640), overrides={"launch_cluster_n": 2})
-    with pytest.raises(PlanError, match="launch_cluster_n"):
-        make_plan(PRESETS["olmoe"], overrides={"launch_cluster_n": 4})
-
-
 def test_single_launch_tiles_by_tokens():
     """The single launch's tiles by T (launch_bands): swapped tiles of the fewest token rows that
     hold an expert's rows (mean r = T*K/E, plus SWAP_SPREAD sqrt(r)), the plain launch where its

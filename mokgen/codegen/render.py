@@ -70,7 +70,7 @@ def _includes(k: KernelPlan) -> list[str]:
     task_record = k.params.get("profile") and k.template in ("dispatch.py.j2", "dispatch_chunked.py.j2",
                                                              "grouped_gemm_persistent.py.j2", "combine.py.j2")
     status_copy = k.template == "status_mirror.py.j2" or k.params.get("mirror_status")
-    mailbox = k.params.get("cluster_n", 1) == 2  # (the FP8 GEMMs' clusters, the single launch in pairs)
+    mailbox = k.params.get("cluster_n", 1) == 2  # (the FP8 GEMMs' 2-CTA clusters)
     parts = list(GEMM_PARTS) if k.template == "grouped_gemm_persistent.py.j2" else []
     return parts + (["ep_rows.py.j2"] if ep_rows else []) + (["dispatch_phases.py.j2"] if phases else []) \
         + (["dispatch_chunks.py.j2"] if chunks else []) \

@@ -850,8 +850,6 @@ def swapped_bands(gemm: GemmMaker, bands: list, spec: MoESpec, counters: Counter
                                            f"swapped tiles of {n} token rows.")
         for a in band.args:
             a.tensor = {"tile_expert": "tile_expert_w", "h_ready": "h_ready_w"}.get(a.tensor, a.tensor)
-        if ov.get("launch_cluster_n", 1) == 2:
-            pair_clusters(band, I, H)
         # (launch_sync shared). Calls up to small_t tokens: each CTA counts every expert
         # itself, 3.7 against 5.2 us of dispatch phase at E64 T=64, 1.01x the call there
         # and 1.05x at E40; larger ones by chunks of pairs (docs/perf.md).
@@ -869,38 +867,8 @@ def swapped_bands(gemm: GemmMaker, bands: list, spec: MoESpec, counters: Counter
             f"{bp['mma_warpgroups']} MMA warpgroups of 64), the {n} token rows its N; {bp['stages']} stages, "
             f"{bp['gather_lag']} gathered in flight per producer warp; "
             + ("each CTA counts every expert's pairs itself" if bp["dispatch"]["local_count"] else
-               "dispatch by chunks of pairs")
-            + ("; clusters of 2 CTAs on two column tiles of one M tile, each loading half of a down tile's "
-               "h rows and multicasting them to both" + (", and gathering half of a gate/up tile's x rows and "
-                                                       "pushing them into the other's stage" if bp["pair_gather"] else "")
-               if bp.get("cluster_n", 1) == 2 else ""))
+               "dispatch by chunks of pairs"))
     return rows_w
-
-
-# The cluster mailbox of a single launch in pairs: SCHED_STAGES full and empty barriers (8 bytes
-# each) and the pair indices rank 0 hands to rank 1 (4 bytes each).
-MAILBOX_BYTES_PER_SLOT = 2 * 8 + 4
-
-
-def pair_clusters(band: KernelPlan, I: int, H: int) -> None:
-    """Plan override launch_cluster_n: 2 (an experiment): the band's single launch runs in clusters
-    of 2 CTAs that take neighbouring tiles of the launch's order together, two column tiles of one M
-    tile, so each down tile's h rows are read from L2 once per cluster (each CTA loads half and
-    multicasts it) instead of once per CTA, and so are a gate/up tile's x rows where the halves are
-    whole gather rounds (each CTA gathers half and pushes it into the other's stage). Pairs never
-    straddle an M tile or a tile kind only when both kinds have an even number of column tiles."""
-    p = band.params
-    n_tiles, n2_tiles = I // p["tile_n"], H // (2 * p["tile_n"])
-    if n_tiles % 2 or n2_tiles % 2:
-        raise PlanError(f"launch_cluster_n=2 needs an even number of gate/up and down column tiles, "
-                        f"got {n_tiles} and {n2_tiles}")
-    p["cluster_n"] = 2
-    # The gate/up tiles' x rows too, where each CTA's half is whole rounds of the gather (a round:
-    # WARPGROUP_THREADS / (tile_k / VEC) rows, 16 at a 64-wide K block): each CTA gathers its half and
-    # pushes it into the peer's stage. Elsewhere (16, 48, 80, 112, 144 rows) both gather all rows.
-    round_rows = WARPGROUP_THREADS // (p["tile_k"] // p["vec"])
-    p["pair_gather"] = (p["tile_m"] // 2) % round_rows == 0
-    band.smem_bytes += p["sched_stages"] * MAILBOX_BYTES_PER_SLOT
 
 
 def combine_kernel(spec: MoESpec, target: Target, d_experts: int) -> tuple[KernelPlan, str]:
@@ -1403,7 +1371,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
-                           r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status|launch_cluster_n"
+                           r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|(gemm_gateup|bwd_dgrad_down)\.gather_lag|gemm_fused\.wave_lag")
@@ -1432,7 +1400,7 @@ def check_overrides(overrides: dict) -> None:
         if not key.endswith(".raster") and (isinstance(value, bool) or not isinstance(value, int)):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
         if ((key == "row_tile" and value not in (64, 128)) or (key == "wait_timeout_ms" and value < 1)
-                or (key in ("cluster_m", "launch_cluster_n") and value not in (1, 2))
+                or (key == "cluster_m" and value not in (1, 2))
                 or (key.endswith(".epi_stages") and value not in range(1, 9))
                 or (key.endswith(".tile_k") and value not in (64, 128))
                 or (key == "gemm_fused.wave_lag" and value < 0)  # (0: every gate/up tile first)
