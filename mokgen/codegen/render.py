@@ -70,14 +70,13 @@ def _includes(k: KernelPlan) -> list[str]:
     task_record = k.params.get("profile") and k.template in ("dispatch.py.j2", "dispatch_chunked.py.j2",
                                                              "grouped_gemm_persistent.py.j2", "combine.py.j2")
     status_copy = k.template == "status_mirror.py.j2" or k.params.get("mirror_status")
-    mailbox = k.params.get("cluster_n", 1) == 2  # (the FP8 GEMMs' 2-CTA clusters)
     parts = list(GEMM_PARTS) if k.template == "grouped_gemm_persistent.py.j2" else []
     return parts + (["ep_rows.py.j2"] if ep_rows else []) + (["dispatch_phases.py.j2"] if phases else []) \
         + (["dispatch_chunks.py.j2"] if chunks else []) \
         + (["route_phases.py.j2"] if route else []) + (["fp8_units.py.j2"] if fp8_units else []) \
         + (["fp8_block_tile.py.j2"] if fp8_tile else []) + (["fp8_divide.py.j2"] if fp8_divide else []) \
         + (["task_record.py.j2"] if task_record else []) + (["combine_piece.py.j2"] if combine_piece else []) \
-        + (["status_copy.py.j2"] if status_copy else []) + (["cluster_mailbox.py.j2"] if mailbox else [])
+        + (["status_copy.py.j2"] if status_copy else [])
 
 
 def _shim_kernel(k: KernelPlan) -> dict:
