@@ -101,23 +101,37 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] (both multiples of 128) -> (e4m3 [..., N, K], fp32 scales
     [..., N / 128, K / 128]): one scale per 128 x 128 block."""
     N, K = w.shape[-2:]
-    if N % BLOCK or K % BLOCK:
-        raise FP8Error(f"the last two dimensions ({N}, {K}) must be multiples of {BLOCK} for {BLOCK} x {BLOCK} blocks")
-    if not torch.isfinite(w).all():
-        raise FP8Error("cannot quantise NaN or Inf values to e4m3")
     lead = w.shape[:-2]
     flat = w.reshape(-1, N, K)
-    q = torch.empty(flat.shape, dtype=E4M3, device=w.device)
-    scale = torch.empty(flat.shape[0], N // BLOCK, K // BLOCK, device=w.device)
-    # a chunk of matrices at a time (their fp32 copy within 1 GiB): the fp32 copy of all of them
-    # may not fit, and one matrix at a time is thousands of small launches at E256
-    chunk = max(1, (1 << 28) // (N * K))
-    for i in range(0, flat.shape[0], chunk):
-        blocks = flat[i:i + chunk].float().reshape(-1, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
-        scale[i:i + chunk] = _scale(blocks.abs().amax(dim=(-3, -1)))
-        q[i:i + chunk] = (blocks / scale[i:i + chunk][:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(
-            E4M3).reshape(-1, N, K)
+    q, scale = _quantize_blocks_chunked(flat.shape[0], N, K, lambda i, j: flat[i:j], w.device)
     return q.reshape(w.shape), scale.reshape(*lead, N // BLOCK, K // BLOCK)
+
+
+# What the weights' quantiser takes at a time: 2^28 elements, 1 GiB in fp32.
+CHUNK_ELEMENTS = 1 << 28
+
+
+def _quantize_blocks_chunked(n: int, N: int, K: int, matrices, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """n matrices [N, K], matrices(i, j) giving those from i to j as [j - i, N, K], quantised a
+    chunk at a time (each chunk's fp32 copy within 1 GiB): neither an fp32 copy of all of them
+    nor a finiteness mask of all of them need fit beside the weights (at E256 H7168 the gate/up
+    pair alone is 15 GB in bf16), and one matrix at a time would be thousands of small launches.
+    A NaN or Inf anywhere raises FP8Error once every chunk is done (one read-back)."""
+    if N % BLOCK or K % BLOCK:
+        raise FP8Error(f"the last two dimensions ({N}, {K}) must be multiples of {BLOCK} for {BLOCK} x {BLOCK} blocks")
+    q = torch.empty(n, N, K, dtype=E4M3, device=device)
+    scale = torch.empty(n, N // BLOCK, K // BLOCK, device=device)
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    chunk = max(1, CHUNK_ELEMENTS // (N * K))
+    for i in range(0, n, chunk):
+        j = min(n, i + chunk)
+        blocks = matrices(i, j).float().reshape(-1, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+        finite &= torch.isfinite(blocks).all()
+        scale[i:j] = _scale(blocks.abs().amax(dim=(-3, -1)))
+        q[i:j] = (blocks / scale[i:j][:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).reshape(-1, N, K)
+    if not bool(finite):
+        raise FP8Error("cannot quantise NaN or Inf values to e4m3")
+    return q, scale
 
 
 def quantize_cols(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +229,9 @@ def quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     E, I, H = w_gate.shape
     if tuple(w_down.shape) != (E, H, I):
         raise FP8Error(f"w_down must be [E, H, I] = {[E, H, I]}, got {list(w_down.shape)}")
-    gate_up = FP8Weights(*quantize_blocks(interleave_gate_up(w_gate, w_up)))
+    # interleaved a chunk of experts at a time, inside the quantiser: no bf16 copy of both whole
+    gate_up = FP8Weights(*_quantize_blocks_chunked(
+        E, 2 * I, H, lambda i, j: interleave_gate_up(w_gate[i:j], w_up[i:j]), w_gate.device))
     down = FP8Weights(*quantize_blocks(w_down))
     return FP8Experts(gate_up, down, gate_up.t(), down.t())
 

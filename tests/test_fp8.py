@@ -56,6 +56,23 @@ def test_the_transposed_copies_are_the_same_blocks():
         assert torch.equal(t.values.view(torch.uint8), q.view(torch.uint8)) and torch.equal(t.scales, s)
 
 
+def test_weights_quantise_the_same_a_chunk_at_a_time_and_refuse_nan_in_any_chunk(monkeypatch):
+    """quantize_experts takes its experts a chunk at a time (gate and up interleaved per chunk):
+    one matrix a chunk gives the bits of all at once, and a NaN in the last chunk still raises."""
+    import mokgen.fp8 as fp8
+
+    wg, wu, wd = weights(5, 256, 384)
+    whole = fp8.quantize_experts(wg, wu, wd)
+    monkeypatch.setattr(fp8, "CHUNK_ELEMENTS", 256 * 384)
+    parts = fp8.quantize_experts(wg, wu, wd)
+    for name in ("gate_up", "down", "gate_up_t", "down_t"):
+        a, b = getattr(whole, name), getattr(parts, name)
+        assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8)) and torch.equal(a.scales, b.scales)
+    wu[4, 255, 383] = float("inf")
+    with pytest.raises(fp8.FP8Error, match="NaN or Inf"):
+        fp8.quantize_experts(wg, wu, wd)
+
+
 def test_blockwise_products_equal_the_dequantised_product():
     from mokgen.fp8 import FP8Weights, _blockwise_matmul, dequantize_rows, quantize_blocks, quantize_rows
 
