@@ -27,8 +27,8 @@ def assert_fails_fast(setup: str, call: str, recover: str, names: tuple) -> None
         "    print('recovered', bool(torch.isfinite(out).all()))\n"
     )
     # The child needs GPU memory that this process's caching allocator may still hold for earlier
-    # tests (the E256 FP8 quantiser's test leaves about 70 GB cached): a CUDA error in the child,
-    # not a timeout, failed this test after it on an 80 GB card.
+    # tests' freed tensors (after the E256 FP8 quantiser's 70 GB, a CUDA error in the child, not a
+    # timeout, once failed this test on an 80 GB card).
     torch.cuda.empty_cache()
     t0 = time.time()
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
