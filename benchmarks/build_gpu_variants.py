@@ -21,6 +21,7 @@ specs.append(MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048))  # th
 from test_expert_parallel_gpu import EP_SHAPES, ep_spec  # noqa: E402
 
 ep_specs = [ep_spec(s) for s in EP_SHAPES]  # expert parallel over 2 GPUs
+ep_specs += [ep_spec(s, w) for w in (4, 8) for s in EP_SHAPES]  # and over 4 and 8 (ranks sharing a GPU)
 ep_specs.append(ep_spec((40, 6, 1536, 640, 0)))  # benchmarks/train_demo.py under torchrun
 for i, spec in enumerate(specs + ep_specs):
     print(f"[{i + 1}/{len(specs) + len(ep_specs) + 1}] {spec.variant}", flush=True)

@@ -60,15 +60,31 @@ def poison() -> None:
     dist.barrier()
 
 
+def in_turns(fn):
+    """fn() on every rank; where the ranks share one GPU (MOKGEN_TEST_RANKS_SHARE_GPU=1), one rank
+    at a time, its memory freed before the next: every rank's float64 reference of the global
+    layer's backward at once does not fit one GPU at E64 and N = 8."""
+    if os.environ.get("MOKGEN_TEST_RANKS_SHARE_GPU") != "1":
+        return fn()
+    for turn in range(dist.get_world_size()):
+        if turn == dist.get_rank():
+            result = fn()
+            torch.cuda.empty_cache()
+        dist.barrier()
+    return result
+
+
 def start_golden(E, H, I, S=0):
     """Under torchrun: (rank, world, the global experts' bf16 w_gate, w_up, w_down from one
     fresh seed every rank shares, the shared expert's ws_* (a dict, empty without one), a
     generator of this rank's own inputs, the seed), the NCCL group made and the device set.
     MOKGEN_TEST_RANKS_SHARE_GPU=1: every rank on GPU 0, the group over gloo (NCCL takes one rank
-    per GPU): for the layers whose ranks exchange rows through the group only (the FP8 layer
-    across nodes), where one GPU is all there is."""
+    per GPU) and the peer buffers mapped by CUDA IPC (torch symmetric memory takes one rank per
+    GPU): a world size larger than the GPUs there are, for correctness only (the GPU
+    time-slices the ranks' processes)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if os.environ.get("MOKGEN_TEST_RANKS_SHARE_GPU") == "1":
+        os.environ.setdefault("MOKGEN_PEER_MEMORY", "ipc")
         torch.cuda.set_device(0)
         dist.init_process_group("gloo")
     else:
@@ -250,19 +266,24 @@ def main():
         poison()
         t0 = time.time()
         got = [mokgen_grads(x, ids, w, dout, recompute) for _ in range(runs)]
-        # the global routed layer over every rank's tokens; the shared expert on this rank's own
-        X, IDS, W_, DOUT = (torch.cat([e[i] for e in every]) for i in range(4))
-        ref = moe_reference_backward(DOUT, X, IDS, W_, wg, wu, wd)
-        first = sum(Ts[:rank])
-        want = {"dx": ref["dx"][first:first + Ts[rank]], "d_topk_weights": ref["d_topk_weights"][first:first + Ts[rank]],
-                "d_w_gate": ref["d_w_gate"][mine], "d_w_up": ref["d_w_up"][mine], "d_w_down": ref["d_w_down"][mine]}
-        if S:
-            leaves = [t.detach().double().requires_grad_(True) for t in (x, *(shared[n] for n in shared_names))]
-            expert_ffn(*leaves).backward(dout.double())
-            want["dx"] = want["dx"] + leaves[0].grad
-            want.update(zip(("d_ws_gate", "d_ws_up", "d_ws_down"), (t.grad for t in leaves[1:])))
-        scale = dot_error_scales(dout, x, ids, wg, wu, wd)
-        errs = {k: (gradient_error(k, got[0][k], want[k], scale) if got[0][k].numel() else 0.0) for k in want}
+
+        def judge():
+            # the global routed layer over every rank's tokens; the shared expert on this rank's own
+            X, IDS, W_, DOUT = (torch.cat([e[i] for e in every]) for i in range(4))
+            ref = moe_reference_backward(DOUT, X, IDS, W_, wg, wu, wd)
+            first = sum(Ts[:rank])
+            want = {"dx": ref["dx"][first:first + Ts[rank]],
+                    "d_topk_weights": ref["d_topk_weights"][first:first + Ts[rank]],
+                    "d_w_gate": ref["d_w_gate"][mine], "d_w_up": ref["d_w_up"][mine], "d_w_down": ref["d_w_down"][mine]}
+            if S:
+                leaves = [t.detach().double().requires_grad_(True) for t in (x, *(shared[n] for n in shared_names))]
+                expert_ffn(*leaves).backward(dout.double())
+                want["dx"] = want["dx"] + leaves[0].grad
+                want.update(zip(("d_ws_gate", "d_ws_up", "d_ws_down"), (t.grad for t in leaves[1:])))
+            scale = dot_error_scales(dout, x, ids, wg, wu, wd)
+            return {k: (gradient_error(k, got[0][k], want[k], scale) if got[0][k].numel() else 0.0) for k in want}
+
+        errs = in_turns(judge)
         nan = [k for k in got[0] if torch.isnan(got[0][k]).any().item()]
         same = all(torch.equal(g[k], got[0][k]) for g in got[1:] for k in got[0])
         ok = not nan and same and all(e < TOL for e in errs.values())

@@ -1,7 +1,7 @@
-"""Golden tests of the expert-parallel layer on 2 GPUs (tests/ep_worker.py under torchrun).
+"""Golden tests of the expert-parallel layer (tests/ep_worker.py under torchrun): a rank per GPU
+on GPUs linked by NVLink, and at N = 4 and 8 with the ranks sharing one GPU where there are fewer.
 
-They need two GPUs linked by NVLink and the variants built (benchmarks/build_gpu_variants.py
-builds them); elsewhere they skip.
+They need the variants built (benchmarks/build_gpu_variants.py builds them); elsewhere they skip.
 """
 import os
 import subprocess
@@ -27,6 +27,10 @@ def ep_spec(shape, world=WORLD):
                    topology="nvlink")
 
 
+def shape_id(shape) -> str:
+    return "e{}_k{}_h{}_i{}_s{}".format(*shape)
+
+
 def gpus():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -34,7 +38,7 @@ def gpus():
 # Every world size with its variants built runs where the GPUs are there (2 here; 4 and 8 are
 # planned and compiled by the CPU tests).
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("shape", EP_SHAPES, ids=lambda s: ep_spec(s).variant)
+@pytest.mark.parametrize("shape", EP_SHAPES, ids=shape_id)
 def test_expert_parallel_golden(shape, world):
     if gpus() < world:
         pytest.skip(f"needs {world} GPUs")
@@ -48,6 +52,32 @@ def test_expert_parallel_golden(shape, world):
            "--shape", ",".join(map(str, shape))]
     if shape != EP_SHAPES[0]:
         cmd += ["--tokens", "1,513,2048", "--no-timeout-case"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=root)
+    print(r.stdout[-6000:], r.stderr[-3000:])
+    assert r.returncode == 0 and "EP golden: PASS" in r.stdout
+
+
+# The same worker with more ranks than GPUs: every rank on GPU 0, the group over gloo and the peer
+# buffers mapped by CUDA IPC (MOKGEN_TEST_RANKS_SHARE_GPU=1). The GPU time-slices the ranks'
+# processes, so this proves the generated exchange right at N = 4 and 8 where one GPU is all
+# there is; what it costs needs a GPU per rank (benchmarks/ep_bench.py).
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("shape", EP_SHAPES, ids=shape_id)
+def test_expert_parallel_golden_with_ranks_sharing_one_gpu(shape, world):
+    if gpus() == 0:
+        pytest.skip("needs a GPU")
+    if gpus() >= world:
+        pytest.skip(f"{world} GPUs here: test_expert_parallel_golden runs a rank on each")
+    from mokgen.runtime import variants_root
+
+    if not (variants_root() / ep_spec(shape, world).variant / "build").is_dir():
+        pytest.skip(f"{ep_spec(shape, world).variant} is not built (benchmarks/build_gpu_variants.py)")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, MOKGEN_TEST_RANKS_SHARE_GPU="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+           str(root / "tests" / "ep_worker.py"), "--shape", ",".join(map(str, shape)),
+           "--tokens", "1,513,2048", "--grad-tokens", "1,513", "--no-timeout-case"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=root)
     print(r.stdout[-6000:], r.stderr[-3000:])
     assert r.returncode == 0 and "EP golden: PASS" in r.stdout

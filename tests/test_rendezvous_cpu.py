@@ -69,3 +69,16 @@ def test_a_rank_that_never_arrives_is_reported_and_the_next_attempts_are_in_step
     # The late rank finds the attempt decided, waits in the next one, and is told too.
     assert by0["late"][1] == "timeout" and by1["late"][1] == "timeout", (r0, r1)
     assert "rank(s) 0 of the group did not arrive" in by1["late"][3]
+
+
+def test_the_peer_memory_is_symmetric_unless_ipc_is_asked_for_and_anything_else_is_refused(monkeypatch):
+    from mokgen.runtime import InputError
+    from mokgen.runtime.peers import peer_memory
+
+    monkeypatch.delenv("MOKGEN_PEER_MEMORY", raising=False)
+    assert peer_memory() == "symmetric"
+    monkeypatch.setenv("MOKGEN_PEER_MEMORY", "ipc")
+    assert peer_memory() == "ipc"
+    monkeypatch.setenv("MOKGEN_PEER_MEMORY", "nvshmem")
+    with pytest.raises(InputError, match="MOKGEN_PEER_MEMORY='nvshmem'"):
+        peer_memory()

@@ -7,6 +7,11 @@ addresses in ep_peers. Making a workspace is collective: every rank of the group
 in the same order, at the same capacity. Each such host collective starts with a bounded
 rendezvous (`arrive`): a rank that never comes is reported as RendezvousTimeout on the
 others after MOKGEN_RENDEZVOUS_TIMEOUT_S seconds (default 300), not a hang in NCCL.
+
+MOKGEN_PEER_MEMORY=ipc maps the peers' buffers through CUDA IPC handles (torch.multiprocessing's)
+instead: for several ranks on one GPU, which torch symmetric memory refuses. The kernels see the
+same thing either way, an address per rank in ep_peers; the GPU then time-slices the ranks'
+processes, so this is for testing the exchange at a world size with fewer GPUs, not for timing.
 """
 from __future__ import annotations
 
@@ -33,6 +38,15 @@ class RendezvousTimeout(RuntimeError):
     """A rank of the process group did not reach a host rendezvous of the expert-parallel
     layer (making or growing the peer workspace) in time. Nothing was allocated; every rank
     that reached it raises this."""
+
+
+def peer_memory() -> str:
+    """How the peers' buffers are mapped: "symmetric" (torch symmetric memory, the default) or
+    "ipc" (CUDA IPC handles: ranks may share a GPU)."""
+    how = os.environ.get("MOKGEN_PEER_MEMORY", "symmetric")
+    if how not in ("symmetric", "ipc"):
+        raise InputError(f"MOKGEN_PEER_MEMORY={how!r}: expected 'symmetric' or 'ipc'")
+    return how
 
 
 def rendezvous_timeout_s() -> float:
@@ -110,7 +124,7 @@ class PeerWorkspace:
         self.recv_rows = recv_rows or world * capacity * plan["spec"]["topk"]
         self.rank = dist.get_rank(group)
         self.buffers: dict[str, torch.Tensor] = {}
-        self._handles = []  # the symmetric allocations' handles, kept alive with the buffers
+        self._handles = []  # the symmetric handles or the peers' IPC mappings, kept alive with the buffers
         self._plan = {b["name"]: b for b in plan["buffers"] if b["memory"] in ("symmetric", "persistent")}
         # (the persistent ones first: ep_peers receives the symmetric regions' addresses)
         self._make(sorted((n for n in self._plan if n not in BACKWARD_REGIONS),
@@ -121,23 +135,50 @@ class PeerWorkspace:
         """Allocate these buffers (collective: every rank makes the same ones, in order) and
         publish the symmetric ones' addresses in ep_peers."""
         import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
 
+        share = self._ipc if peer_memory() == "ipc" else self._symmetric  # (before anything is allocated)
         for name in names:
             b = self._plan[name]
             if b["memory"] == "symmetric":
-                t = symm_mem.empty(_shape(b, *self.sizes), dtype=DTYPES[b["dtype"]], device=self.device)
-                t.zero_()  # flags start below every epoch; the barrier below orders it before peers' stores
-                handle = symm_mem.rendezvous(t, self.group.group_name)
+                t, ptrs = share(_shape(b, *self.sizes), DTYPES[b["dtype"]])
                 self.buffers[name] = t
-                self._handles.append(handle)
-                self.buffers["ep_peers"][REGIONS.index(name)].copy_(
-                    torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64))
+                self.buffers["ep_peers"][REGIONS.index(name)].copy_(torch.tensor(ptrs, dtype=torch.int64))
             else:
                 self.buffers[name] = torch.zeros(_shape(b, *self.sizes), dtype=DTYPES[b["dtype"]],
                                                  device=self.device)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
+
+    def _symmetric(self, shape: tuple, dtype) -> tuple:
+        """(this rank's buffer, every rank's address) from torch symmetric memory."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        t = symm_mem.empty(shape, dtype=dtype, device=self.device)
+        t.zero_()  # flags start below every epoch; _make's barrier orders it before peers' stores
+        handle = symm_mem.rendezvous(t, self.group.group_name)
+        self._handles.append(handle)
+        return t, list(handle.buffer_ptrs)
+
+    def _ipc(self, shape: tuple, dtype) -> tuple:
+        """(this rank's buffer, every rank's address) through CUDA IPC handles, exchanged with
+        the group's all_gather_object; the peers' tensors are kept, so their mappings live as
+        long as this workspace."""
+        import torch.distributed as dist
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        t = torch.zeros(shape, dtype=dtype, device=self.device)  # (zeros: as _symmetric's)
+        torch.cuda.synchronize(self.device)  # zeroed before any peer can map and store into it
+        shared = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(shared, reduce_tensor(t), group=self.group)
+        ptrs = []
+        for r, (rebuild, args) in enumerate(shared):
+            if r == self.rank:
+                ptrs.append(t.data_ptr())
+                continue
+            peer = rebuild(*args)
+            self._handles.append(peer)
+            ptrs.append(peer.data_ptr())
+        return t, ptrs
 
     @property
     def sizes(self) -> tuple:
