@@ -83,6 +83,28 @@ def test_expert_parallel_golden_with_ranks_sharing_one_gpu(shape, world):
     assert r.returncode == 0 and "EP golden: PASS" in r.stdout
 
 
+def test_ranks_sharing_a_gpu_over_symmetric_memory_are_refused_with_the_reason():
+    """Two ranks on GPU 0 without MOKGEN_PEER_MEMORY=ipc: both raise InputError at their first
+    call, naming the ranks, before any buffer is made (not torch's own error from inside the
+    symmetric-memory rendezvous)."""
+    if gpus() == 0:
+        pytest.skip("needs a GPU")
+    from mokgen.runtime import variants_root
+
+    shape = EP_SHAPES[1]
+    if not (variants_root() / ep_spec(shape).variant / "build").is_dir():
+        pytest.skip(f"{ep_spec(shape).variant} is not built (benchmarks/build_gpu_variants.py)")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, MOKGEN_TEST_RANKS_SHARE_GPU="1", MOKGEN_PEER_MEMORY="symmetric", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(root / "tests" / "ep_worker.py"),
+           "--shape", ",".join(map(str, shape)), "--tokens", "1", "--grad-tokens", "1", "--no-timeout-case"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=root)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "InputError" in out and "ranks 0 and 1 of the group are on the same GPU" in out, out[-3000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_weights_on_another_gpu_are_refused_before_launch():
     import mokgen

@@ -1,7 +1,8 @@
 """Golden tests of the layer over 2 nodes x 1 GPU (tests/multinode_worker.py under torchrun):
 two GPUs whose tokens cross through NCCL, as between nodes; and of its levels over 1 node x 2
-GPUs (the node-local megakernel over both). They need two GPUs and the
-node-local layer built (benchmarks/build_gpu_variants.py); elsewhere they skip."""
+GPUs (the node-local megakernel over both). They need two GPUs (or, for correctness only, both
+ranks on one) and the node-local layer built (benchmarks/build_gpu_variants.py); elsewhere they
+skip."""
 import os
 import subprocess
 import sys
@@ -28,6 +29,19 @@ def test_two_nodes_of_one_gpu_golden():
         if not (variants_root() / s.variant / "build").is_dir():
             pytest.skip(f"{s.variant} is not built (benchmarks/build_gpu_variants.py)")
     run_workers("multinode_worker.py", "MULTINODE golden: PASS")
+
+
+def test_two_nodes_of_one_gpu_golden_with_ranks_sharing_one_gpu():
+    """The same worker with both ranks on one GPU (MOKGEN_TEST_RANKS_SHARE_GPU=1: a gloo group,
+    the levels' peer buffers mapped by CUDA IPC): correctness where one GPU is all there is."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from mokgen.runtime import variants_root
+
+    for s in (node_local_spec(SPEC), MoESpec(**{**SPEC.to_dict(), "nodes": 1})):
+        if not (variants_root() / s.variant / "build").is_dir():
+            pytest.skip(f"{s.variant} is not built (benchmarks/build_gpu_variants.py)")
+    run_workers("multinode_worker.py", "MULTINODE golden: PASS", MOKGEN_TEST_RANKS_SHARE_GPU="1")
 
 
 def run_workers(script: str, passed: str, **extra_env):

@@ -82,3 +82,11 @@ def test_the_peer_memory_is_symmetric_unless_ipc_is_asked_for_and_anything_else_
     monkeypatch.setenv("MOKGEN_PEER_MEMORY", "nvshmem")
     with pytest.raises(InputError, match="MOKGEN_PEER_MEMORY='nvshmem'"):
         peer_memory()
+
+
+def test_ranks_on_the_same_gpu_are_found_by_uuid_in_rank_order():
+    from mokgen.runtime.peers import shared_gpus
+
+    assert shared_gpus(["GPU-a", "GPU-b"]) == []
+    assert shared_gpus(["GPU-a", "GPU-b", "GPU-a", "GPU-a"]) == [(0, 2), (0, 3)]
+    assert shared_gpus([]) == []

@@ -211,6 +211,18 @@ class PeerWorkspace:
 _WORKSPACES: dict = {}
 
 
+def shared_gpus(uuids: list) -> list:
+    """(first rank, rank) for each rank whose GPU (its UUID, the list in rank order) an earlier
+    rank already has."""
+    first, pairs = {}, []
+    for r, u in enumerate(uuids):
+        if u in first:
+            pairs.append((first[u], r))
+        else:
+            first[u] = r
+    return pairs
+
+
 def workspace(variant, group, tokens: int, capacity: int | None, recv_rows: int | None = None) -> PeerWorkspace:
     """The workspace of (variant, group, device); made on first use. Its capacity is
     `capacity`, else the largest T any rank passes in that first call, and its receive bound
@@ -224,6 +236,14 @@ def workspace(variant, group, tokens: int, capacity: int | None, recv_rows: int 
     ws = _WORKSPACES.get(key)
     if ws is None:
         arrive(group, f"{variant.name}/workspace")  # bounded: a rank that never comes is reported, not waited for
+        if peer_memory() == "symmetric":
+            uuids = [None] * dist.get_world_size(group)
+            dist.all_gather_object(uuids, str(torch.cuda.get_device_properties(device).uuid), group=group)
+            if pairs := shared_gpus(uuids):  # (every rank sees the same list: all raise, none waits)
+                raise InputError(f"{variant.name}: ranks {pairs[0][0]} and {pairs[0][1]} of the group are on the same "
+                                 "GPU; the expert-parallel layer takes one GPU per rank (torch symmetric memory maps "
+                                 "one device per rank). MOKGEN_PEER_MEMORY=ipc runs ranks that share a GPU, for "
+                                 "testing only: the GPU time-slices them")
         t = torch.tensor([tokens if capacity is None else capacity, recv_rows or 0], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         agreed_tokens, agreed_rows = t.tolist()  # (one copy to the host)
