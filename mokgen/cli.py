@@ -257,15 +257,24 @@ def verify(variant, tokens, routing, forward_only):
     import torch
 
     from . import load
-    from .verify import (TOLERANCE, check_backward, check_backward_fp8, check_forward, check_forward_fp8,
+    from .verify import (ROUTINGS, TOLERANCE, check_backward, check_backward_fp8, check_forward, check_forward_fp8,
                          free_gpu_bytes, reference_backward_bytes)
 
     toks = parse_tokens(tokens)
+    routings = [r.strip() for r in routing.split(",")]
+    if unknown := [r for r in routings if r not in ROUTINGS]:
+        fail(f"--routing: {', '.join(map(repr, unknown))} is not one of {', '.join(ROUTINGS)}")
     if not torch.cuda.is_available():
         fail("verify needs a CUDA GPU", code=1)
-    v = load(_resolve_variant(variant))
+    path = _resolve_variant(variant)
+    if (path / "hierarchy.json").exists():
+        fail(f"{path.name} is a layer across nodes: verify its node-local variant (named in "
+             f"{path / 'hierarchy.json'}); tests/multinode_worker.py checks the levels under torchrun", code=1)
+    v = load(path)
+    if v.spec.world_size > 1:
+        sys.exit(_verify_ranks(path, v.spec.world_size, tokens, ",".join(routings), forward_only))
     bad = unchecked = 0
-    for r in routing.split(","):
+    for r in routings:
         for T in toks:
             fp8 = v.spec.dtype == "fp8"  # (against its float64 emulation: mokgen/fp8.py)
             res = (check_forward_fp8 if fp8 else check_forward)(v, T, r.strip())
@@ -293,6 +302,28 @@ def verify(variant, tokens, routing, forward_only):
     click.echo(f"{'all passed' if not bad else f'{bad} failed'} (tolerance {tolerance})"
                + (f"; {unchecked} backward checks not run (their float64 reference does not fit)" if unchecked else ""))
     sys.exit(1 if bad else 0)
+
+
+def _verify_ranks(path: Path, world: int, tokens: str, routing: str, forward_only: bool) -> int:
+    """`mokgen verify` of an expert-parallel variant: mokgen.verify_ranks under torchrun, one
+    process per rank, a rank per GPU, or every rank on GPU 0 where there are fewer GPUs (the GPU
+    time-slices them: the results are checked, not the speed). Returns its exit code."""
+    import os
+    import subprocess
+
+    import torch
+
+    share = torch.cuda.device_count() < world
+    if share:
+        click.echo(f"{path.name}: {world} ranks, {torch.cuda.device_count()} GPU(s) here: every rank on GPU 0, "
+                   "time-sliced (this checks the results, not the speed)")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "mokgen.verify_ranks", str(path.resolve()), "--tokens", tokens, "--routing", routing]
+    cmd += ["--forward-only"] * forward_only + ["--share-gpu"] * share
+    env = dict(os.environ)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # (no NVLink multicast: the layer does not use it)
+    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    return subprocess.run(cmd, env=env).returncode
 
 
 @main.command()

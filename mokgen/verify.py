@@ -24,17 +24,18 @@ ROUTINGS = ("uniform", "skewed", "dropped")
 def make_inputs(spec, tokens: int, routing: str = "uniform", gen: torch.Generator | None = None,
                 device: str = "cuda"):
     """x, topk_ids (int32), topk_weights (fp32), w_gate, w_up, w_down, (ws_gate, ws_up, ws_down)."""
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     if gen is None:
         gen = torch.Generator(device=device)
         gen.manual_seed(random.SystemRandom().randrange(2**31))
-    E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
+    return (*make_tokens(spec, tokens, routing, gen, device), *make_weights(spec, gen, device))
 
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device=device, generator=gen) * scale).to(torch.bfloat16)
 
-    x = randn(tokens, H)
+def make_tokens(spec, tokens: int, routing: str, gen: torch.Generator, device: str = "cuda"):
+    """x [T, H] bf16, topk_ids [T, K] int32 over the spec's local experts, topk_weights [T, K] fp32."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    E, K, H = spec.local_experts, spec.topk, spec.hidden
+    x = (torch.randn(tokens, H, device=device, generator=gen)).to(torch.bfloat16)
     logits = torch.randn(tokens, E, device=device, generator=gen)
     if routing == "skewed":
         logits[:, E // 2:] = -1e4  # the upper half of the experts gets no token
@@ -44,13 +45,24 @@ def make_inputs(spec, tokens: int, routing: str = "uniform", gen: torch.Generato
     if routing == "dropped":  # empty slots: a capacity-limited router's dropped pairs
         ids = torch.where(torch.rand(ids.shape, device=device, generator=gen) < 1 / 3, -1, ids)
         ids[:1] = -1
+    return x, ids.to(torch.int32).contiguous(), w
+
+
+def make_weights(spec, gen: torch.Generator, device: str = "cuda"):
+    """w_gate, w_up [E, I, H], w_down [E, H, I] of the spec's local experts and (ws_gate, ws_up,
+    ws_down) of its shared expert (Nones without one), bf16, scaled to keep activations O(1)."""
+    E, H, I, S = spec.local_experts, spec.hidden, spec.intermediate, spec.shared_intermediate
+
+    def randn(*shape, scale):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(torch.bfloat16)
+
     wg, wu = randn(E, I, H, scale=1 / math.sqrt(H)), randn(E, I, H, scale=1 / math.sqrt(H))
     wd = randn(E, H, I, scale=1 / math.sqrt(I))
     shared = (None, None, None)
     if S:
         shared = (randn(S, H, scale=1 / math.sqrt(H)), randn(S, H, scale=1 / math.sqrt(H)),
                   randn(H, S, scale=1 / math.sqrt(S)))
-    return x, ids.to(torch.int32).contiguous(), w, wg, wu, wd, shared
+    return wg, wu, wd, shared
 
 
 def run_poisoned(variant, inputs):

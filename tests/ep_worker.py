@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import time
 
@@ -21,10 +20,13 @@ import torch
 import torch.distributed as dist
 
 import mokgen
+from mokgen.ir import MoESpec
 from mokgen.reference import dot_error_scales, expert_ffn, moe_reference, moe_reference_backward, rel_error
 from mokgen.runtime import InputError, KernelTimeout
-from mokgen.runtime.peers import RendezvousTimeout
-from mokgen.runtime.peers import _WORKSPACES
+from mokgen.runtime.peers import _WORKSPACES, RendezvousTimeout
+from mokgen.verify import make_weights
+from mokgen.verify_ranks import in_turns as _in_turns
+from mokgen.verify_ranks import init_ranks, shared_seed
 
 TOL = 1e-2
 
@@ -53,25 +55,17 @@ def poison() -> None:
     """NaN into every row buffer of this rank's peer workspace (then a barrier: no peer
     stores before this rank has poisoned)."""
     for ws in _WORKSPACES.values():
-        for name in ("ep_recv", "ep_ret", "h", "y", "ep_grad", "ep_recv_w", "ep_ret_w"):
-            if name in ws.buffers:  # (the backward's regions exist after the first backward)
-                ws.buffers[name].fill_(float("nan"))
+        ws.poison()
     torch.cuda.synchronize()
     dist.barrier()
 
 
+SHARE_GPU = os.environ.get("MOKGEN_TEST_RANKS_SHARE_GPU") == "1"
+
+
 def in_turns(fn):
-    """fn() on every rank; where the ranks share one GPU (MOKGEN_TEST_RANKS_SHARE_GPU=1), one rank
-    at a time, its memory freed before the next: every rank's float64 reference of the global
-    layer's backward at once does not fit one GPU at E64 and N = 8."""
-    if os.environ.get("MOKGEN_TEST_RANKS_SHARE_GPU") != "1":
-        return fn()
-    for turn in range(dist.get_world_size()):
-        if turn == dist.get_rank():
-            result = fn()
-            torch.cuda.empty_cache()
-        dist.barrier()
-    return result
+    """fn() on every rank, one at a time where the ranks share one GPU (mokgen.verify_ranks)."""
+    return _in_turns(fn, SHARE_GPU)
 
 
 def start_golden(E, H, I, S=0):
@@ -82,29 +76,16 @@ def start_golden(E, H, I, S=0):
     per GPU) and the peer buffers mapped by CUDA IPC (torch symmetric memory takes one rank per
     GPU): a world size larger than the GPUs there are, for correctness only (the GPU
     time-slices the ranks' processes)."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if os.environ.get("MOKGEN_TEST_RANKS_SHARE_GPU") == "1":
-        os.environ.setdefault("MOKGEN_PEER_MEMORY", "ipc")
-        torch.cuda.set_device(0)
-        dist.init_process_group("gloo")
-    else:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    seed = torch.tensor([random.SystemRandom().randrange(2**31)], device="cuda")
-    dist.broadcast(seed, 0)  # one seed, fresh every run: every rank can rebuild every weight
+    rank, world = init_ranks(SHARE_GPU)
+    seed = shared_seed()  # one seed, fresh every run: every rank can rebuild every weight
     g = torch.Generator(device="cuda")
-    g.manual_seed(int(seed.item()))
-    wg = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
-    wu = torch.randn(E, I, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16()
-    wd = torch.randn(E, H, I, device="cuda", generator=g).mul_(I ** -0.5).bfloat16()
-    shared = {}
-    if S:
-        shared = dict(ws_gate=torch.randn(S, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16(),
-                      ws_up=torch.randn(S, H, device="cuda", generator=g).mul_(H ** -0.5).bfloat16(),
-                      ws_down=torch.randn(H, S, device="cuda", generator=g).mul_(S ** -0.5).bfloat16())
+    g.manual_seed(seed)
+    wg, wu, wd, (sg, su, sd) = make_weights(MoESpec(experts=E, topk=1, hidden=H, intermediate=I, shared_intermediate=S),
+                                            g)
+    shared = dict(ws_gate=sg, ws_up=su, ws_down=sd) if S else {}
     gen = torch.Generator(device="cuda")
-    gen.manual_seed(int(seed.item()) + 1 + rank)
-    return rank, world, (wg, wu, wd), shared, gen, int(seed.item())
+    gen.manual_seed(seed + 1 + rank)
+    return rank, world, (wg, wu, wd), shared, gen, seed
 
 
 def start_levels_golden():

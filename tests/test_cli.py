@@ -55,6 +55,34 @@ def test_bad_token_lists_exit_2_before_any_gpu_work():
         assert r.exit_code == 2, (args, r.output)
 
 
+def test_verify_refuses_an_unknown_routing_before_any_gpu_work():
+    r = CliRunner().invoke(main, ["verify", "olmoe", "--routing", "uniform,zipf"])
+    assert r.exit_code == 2 and "'zipf' is not one of uniform, skewed, dropped" in r.output
+
+
+def test_verify_of_an_expert_parallel_variant_runs_a_process_per_rank(monkeypatch, tmp_path):
+    """mokgen.verify_ranks under torchrun, a rank per GPU, or every rank on GPU 0 where there are
+    fewer GPUs than ranks (told to the user); its exit code is verify's."""
+    import subprocess
+
+    import torch
+
+    from mokgen import cli
+
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env: calls.append((cmd, env)) or
+                        subprocess.CompletedProcess(cmd, 3))
+    for gpus, shares in ((8, False), (1, True)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        assert cli._verify_ranks(tmp_path / "v", 8, "1,513", "uniform,skewed", forward_only=True) == 3
+        cmd, env = calls[-1]
+        i = cmd.index("--nproc-per-node=8")
+        assert cmd[i + 1:i + 8] == ["-m", "mokgen.verify_ranks", str((tmp_path / "v").resolve()), "--tokens", "1,513",
+                                    "--routing", "uniform,skewed"]
+        assert ("--share-gpu" in cmd) == shares and "--forward-only" in cmd
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+
+
 def test_build_from_manifest(tmp_path):
     r = CliRunner().invoke(main, ["build", "--experts", "8", "--topk", "2", "--hidden", "256", "--intermediate",
                                   "128", "--no-compile", "--out", str(tmp_path / "a")])

@@ -83,6 +83,26 @@ def test_expert_parallel_golden_with_ranks_sharing_one_gpu(shape, world):
     assert r.returncode == 0 and "EP golden: PASS" in r.stdout
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_mokgen_verify_checks_an_expert_parallel_variant_over_its_ranks(world):
+    """`mokgen verify` of an expert-parallel build: a process per rank (every rank on GPU 0 where
+    there are fewer GPUs), each rank's output and gradients against float64, every expert."""
+    if gpus() == 0:
+        pytest.skip("needs a GPU")
+    from mokgen.runtime import variants_root
+
+    path = variants_root() / ep_spec(EP_SHAPES[1], world).variant
+    if not (path / "build").is_dir():
+        pytest.skip(f"{path.name} is not built (benchmarks/build_gpu_variants.py)")
+    r = subprocess.run([sys.executable, "-m", "mokgen.cli", "verify", str(path), "--tokens", "0,1,513",
+                        "--routing", "uniform,skewed,dropped"], capture_output=True, text=True, timeout=240,
+                       cwd=Path(__file__).resolve().parents[1])
+    print(r.stdout[-6000:], r.stderr[-3000:])
+    assert r.returncode == 0 and f"all passed on {world} ranks" in r.stdout
+    # every rank, every case, forward and backward
+    assert r.stdout.count(" ok") == world * 3 * 3 * 2
+
+
 def test_ranks_sharing_a_gpu_over_symmetric_memory_are_refused_with_the_reason():
     """Two ranks on GPU 0 without MOKGEN_PEER_MEMORY=ipc: both raise InputError at their first
     call, naming the ranks, before any buffer is made (not torch's own error from inside the

@@ -204,6 +204,14 @@ class PeerWorkspace:
             arrive(self.group, f"{variant.name}/backward regions")
             self._make(missing)
 
+    def poison(self) -> None:
+        """NaN into every floating-point buffer (the rows, their routing weights; the counts,
+        flags and addresses are integers), so that a row no rank wrote shows in a golden test.
+        Every rank's stores must be ordered after it (a barrier) by the caller."""
+        for t in self.buffers.values():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
