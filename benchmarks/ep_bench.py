@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ from mokgen.module import torch_expert_parallel
 from mokgen.runtime import find_variant
 from mokgen.schedule import H200
 from mokgen.runtime.peers import workspace
+from mokgen.verify_ranks import init_ranks
 
 
 def torch_ep(x, ids, w, w13, wd, E, group):
@@ -63,9 +63,7 @@ def finish(rank, path, rows):
 def start_ranks(E, H, I):
     """Under torchrun: (rank, world, group, generator, this rank's E/world experts' bf16
     w_gate, w_up, w_down), the NCCL group made and the device set."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rank, world = init_ranks()
     g = torch.Generator(device="cuda")
     g.manual_seed(1234 + rank)
     El = E // world

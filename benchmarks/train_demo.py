@@ -179,9 +179,9 @@ def main():
     if world > 1:
         if args.dtype == "fp8":
             sys.exit("--dtype fp8 runs on one GPU (mokgen.MoE(dtype='fp8') is not expert parallel)")
-        rank = int(os.environ["RANK"])
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+        from mokgen.verify_ranks import init_ranks
+
+        rank, _ = init_ranks()
         group = dist.group.WORLD
     device = "cuda"
     torch.manual_seed(0)

@@ -27,11 +27,11 @@ from .verify import (GRADIENTS, ROUTINGS, SHARED_GRADIENTS, TOLERANCE, free_gpu_
                      make_weights, reference_backward_bytes)
 
 
-def init_ranks(share_gpu: bool) -> tuple:
+def init_ranks(share_gpu: bool = False) -> tuple:
     """Under torchrun: (rank, world), the default process group made and this rank's GPU set.
-    A rank per GPU over NCCL; with share_gpu every rank on GPU 0 over gloo (NCCL takes one rank
-    per GPU) and the peer buffers mapped by CUDA IPC (torch symmetric memory takes one rank per
-    GPU)."""
+    A rank per GPU over NCCL (a rank without a GPU of its own exits with the reason); with
+    share_gpu every rank on GPU 0 over gloo (NCCL takes one rank per GPU) and the peer buffers
+    mapped by CUDA IPC (torch symmetric memory takes one rank per GPU)."""
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -41,6 +41,9 @@ def init_ranks(share_gpu: bool) -> tuple:
         dist.init_process_group("gloo")
     else:
         local = int(os.environ.get("LOCAL_RANK", rank))
+        if local >= torch.cuda.device_count():
+            sys.exit(f"rank {rank}: local rank {local} has no GPU of its own ({torch.cuda.device_count()} here): "
+                     "one process per GPU (`mokgen verify` checks a layer with its ranks sharing a GPU)")
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     return rank, world
