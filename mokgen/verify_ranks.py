@@ -225,9 +225,15 @@ def main(argv=None) -> int:
     check = RankCheck(v, rank, world, shared_seed(), max(tokens), a.share_gpu)
     for routing in routings:
         for T in tokens:
-            check.forward(T, routing)
-            if not a.forward_only and v.has_backward:
-                check.backward(T, routing)
+            try:
+                check.forward(T, routing)
+                if not a.forward_only and v.has_backward:
+                    check.backward(T, routing)
+            except torch.OutOfMemoryError:
+                # (torchrun then stops the other ranks: none is left waiting in a collective)
+                sys.exit(f"{v.name} rank {rank}: out of GPU memory at T={T} tokens per rank"
+                         + (f" with all {world} ranks' workspaces on one GPU" if a.share_gpu else "")
+                         + ": pass fewer --tokens")
     totals = torch.tensor([check.failures, check.unchecked], device="cuda")
     dist.all_reduce(totals)
     failed, unchecked = totals.tolist()

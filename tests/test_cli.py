@@ -112,3 +112,32 @@ def test_profiling_build_renders_apart_and_profile_explains_what_is_missing(tmp_
     normal = json.loads((tmp_path / variant / "manifest.json").read_text())
     assert not any(b["name"].startswith("prof_") for b in normal["plan"]["buffers"])
     assert CliRunner().invoke(main, ["profile", variant, "--tokens", "0"]).exit_code == 2
+
+
+def test_a_rank_out_of_gpu_memory_in_verify_says_what_to_pass(monkeypatch, tmp_path):
+    """mokgen.verify_ranks: a rank that runs out of GPU memory exits with the reason (and torchrun
+    stops the others), where every rank's workspace shares one GPU above all."""
+    import types
+
+    import pytest
+    import torch
+
+    from mokgen import verify_ranks
+
+    class OutOfMemory:
+        def __init__(self, *a):
+            pass
+
+        def forward(self, T, routing):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    v = types.SimpleNamespace(name="e64_k8_h2048_i1024_bf16_w8nvlink_sm90a", spec=types.SimpleNamespace(world_size=8))
+    monkeypatch.setattr(verify_ranks, "init_ranks", lambda share: (3, 8))
+    monkeypatch.setattr(verify_ranks, "shared_seed", lambda: 1)
+    monkeypatch.setattr(verify_ranks, "RankCheck", OutOfMemory)
+    monkeypatch.setattr("mokgen.runtime.load", lambda path, build: v)
+    monkeypatch.setenv("MOKGEN_HOME", str(tmp_path))  # (main points it at the variant's directory)
+    with pytest.raises(SystemExit) as e:
+        verify_ranks.main([str(tmp_path / v.name), "--tokens", "4096", "--share-gpu"])
+    assert str(e.value) == (f"{v.name} rank 3: out of GPU memory at T=4096 tokens per rank with all 8 ranks' "
+                            "workspaces on one GPU: pass fewer --tokens")
