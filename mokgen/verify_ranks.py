@@ -79,6 +79,29 @@ def whole_layer(spec: MoESpec) -> MoESpec:
     return MoESpec(**{**spec.to_dict(), "world_size": 1, "topology": "single", "nodes": 1})
 
 
+def rank_gradient_errors(got: dict, every: list, rank: int, weights, mine: slice, shared) -> dict:
+    """This rank's gradients (`got`, by name) against float64 autograd of the whole layer over
+    every rank's tokens (`every`: each rank's x, topk_ids, topk_weights, dout, in rank order):
+    dx and d_topk_weights of its own tokens, the weight gradients of its experts (`mine` of the
+    global `weights`), and its shared expert's (`shared`: ws_gate, ws_up, ws_down, or Nones),
+    each rank's own copy, over its own tokens. Returns gradient_error by name."""
+    from .reference import dot_error_scales, expert_ffn, moe_reference_backward
+
+    X, IDS, W, DOUT = (torch.cat([e[i] for e in every]) for i in range(4))
+    ref = moe_reference_backward(DOUT, X, IDS, W, *weights)
+    x, ids, _, dout = every[rank]
+    first, T = sum(e[0].shape[0] for e in every[:rank]), x.shape[0]
+    want = {"dx": ref["dx"][first:first + T], "d_topk_weights": ref["d_topk_weights"][first:first + T],
+            "d_w_gate": ref["d_w_gate"][mine], "d_w_up": ref["d_w_up"][mine], "d_w_down": ref["d_w_down"][mine]}
+    if shared[0] is not None:
+        own = [t.detach().double().requires_grad_(True) for t in (x, *shared)]
+        expert_ffn(*own).backward(dout.double())
+        want["dx"] = want["dx"] + own[0].grad
+        want.update(zip(SHARED_GRADIENTS, (t.grad for t in own[1:])))
+    scale = dot_error_scales(dout, x, ids, *weights)
+    return {k: gradient_error(k, got[k], want[k], scale) if got[k].numel() else 0.0 for k in want}
+
+
 class RankCheck:
     """The checks of one rank: `forward` and `backward` cases, each printed as one line."""
 
@@ -153,8 +176,6 @@ class RankCheck:
         """Every rank T tokens: dx, d_topk_weights and this rank's experts' weight gradients
         against float64 autograd of the whole layer over every rank's tokens; the shared
         expert's (each rank's own copy) over this rank's tokens."""
-        from .reference import dot_error_scales, expert_ffn, moe_reference_backward
-
         import mokgen
 
         self.cases += 1
@@ -174,23 +195,9 @@ class RankCheck:
         got = dict(zip(GRADIENTS + (SHARED_GRADIENTS if has_shared else ()), (t.grad for t in leaves)))
 
         def judge():
-            need = reference_backward_bytes(self.whole, tokens * self.world)
-            if need > free_gpu_bytes():
+            if reference_backward_bytes(self.whole, tokens * self.world) > free_gpu_bytes():
                 return None
-            X, IDS, W, DOUT = (torch.cat([e[i] for e in every]) for i in range(4))
-            ref = moe_reference_backward(DOUT, X, IDS, W, *self.weights)
-            first = tokens * self.rank
-            want = {"dx": ref["dx"][first:first + tokens],
-                    "d_topk_weights": ref["d_topk_weights"][first:first + tokens],
-                    "d_w_gate": ref["d_w_gate"][self.mine], "d_w_up": ref["d_w_up"][self.mine],
-                    "d_w_down": ref["d_w_down"][self.mine]}
-            if has_shared:
-                own = [t.detach().double().requires_grad_(True) for t in (x, *self.shared)]
-                expert_ffn(*own).backward(dout.double())
-                want["dx"] = want["dx"] + own[0].grad
-                want.update(zip(SHARED_GRADIENTS, (t.grad for t in own[1:])))
-            scale = dot_error_scales(dout, x, ids, *self.weights)
-            return {k: gradient_error(k, got[k], want[k], scale) if got[k].numel() else 0.0 for k in want}
+            return rank_gradient_errors(got, every, self.rank, self.weights, self.mine, self.shared)
 
         errors = in_turns(judge, self.share_gpu)
         if errors is None:

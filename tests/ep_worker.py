@@ -21,12 +21,12 @@ import torch.distributed as dist
 
 import mokgen
 from mokgen.ir import MoESpec
-from mokgen.reference import dot_error_scales, expert_ffn, moe_reference, moe_reference_backward, rel_error
+from mokgen.reference import moe_reference, rel_error
 from mokgen.runtime import InputError, KernelTimeout
 from mokgen.runtime.peers import _WORKSPACES, RendezvousTimeout
 from mokgen.verify import make_weights
 from mokgen.verify_ranks import in_turns as _in_turns
-from mokgen.verify_ranks import init_ranks, shared_seed
+from mokgen.verify_ranks import init_ranks, rank_gradient_errors, shared_seed
 
 TOL = 1e-2
 
@@ -215,8 +215,6 @@ def main():
                   flush=True)
 
     # ---- backward: every gradient against float64 autograd of the global layer ----------
-    from mokgen.verify import gradient_error
-
     find_variant(E, K, H, I, S, world_size=world).poison = True  # per-call buffers and gradients start NaN
     grad_cases = iter(range(1, 1 << 30))
     shared_names = ("ws_gate", "ws_up", "ws_down")
@@ -249,20 +247,8 @@ def main():
         got = [mokgen_grads(x, ids, w, dout, recompute) for _ in range(runs)]
 
         def judge():
-            # the global routed layer over every rank's tokens; the shared expert on this rank's own
-            X, IDS, W_, DOUT = (torch.cat([e[i] for e in every]) for i in range(4))
-            ref = moe_reference_backward(DOUT, X, IDS, W_, wg, wu, wd)
-            first = sum(Ts[:rank])
-            want = {"dx": ref["dx"][first:first + Ts[rank]],
-                    "d_topk_weights": ref["d_topk_weights"][first:first + Ts[rank]],
-                    "d_w_gate": ref["d_w_gate"][mine], "d_w_up": ref["d_w_up"][mine], "d_w_down": ref["d_w_down"][mine]}
-            if S:
-                leaves = [t.detach().double().requires_grad_(True) for t in (x, *(shared[n] for n in shared_names))]
-                expert_ffn(*leaves).backward(dout.double())
-                want["dx"] = want["dx"] + leaves[0].grad
-                want.update(zip(("d_ws_gate", "d_ws_up", "d_ws_down"), (t.grad for t in leaves[1:])))
-            scale = dot_error_scales(dout, x, ids, wg, wu, wd)
-            return {k: (gradient_error(k, got[0][k], want[k], scale) if got[0][k].numel() else 0.0) for k in want}
+            return rank_gradient_errors(got[0], every, rank, (wg, wu, wd), mine,
+                                        tuple(shared[n] for n in shared_names) if S else (None, None, None))
 
         errs = in_turns(judge)
         nan = [k for k in got[0] if torch.isnan(got[0][k]).any().item()]

@@ -90,3 +90,27 @@ def test_ranks_on_the_same_gpu_are_found_by_uuid_in_rank_order():
     assert shared_gpus(["GPU-a", "GPU-b"]) == []
     assert shared_gpus(["GPU-a", "GPU-b", "GPU-a", "GPU-a"]) == [(0, 2), (0, 3)]
     assert shared_gpus([]) == []
+
+
+def test_a_ranks_gradients_are_judged_against_its_slice_of_the_whole_layer():
+    """mokgen.verify_ranks.rank_gradient_errors, on CPU: the exact float64 gradients of rank 1's
+    tokens and experts (ranks of 5 and 3 tokens) have no error; rank 0's slice in their place does."""
+    from mokgen.reference import moe_reference_backward
+    from mokgen.verify_ranks import rank_gradient_errors
+
+    g = torch.Generator().manual_seed(0)
+    E, K, H, I = 8, 2, 64, 32
+    weights = ((torch.randn(E, I, H, generator=g) / 8).bfloat16(), (torch.randn(E, I, H, generator=g) / 8).bfloat16(),
+               (torch.randn(E, H, I, generator=g) / 6).bfloat16())
+    every = [(torch.randn(T, H, generator=g).bfloat16(), torch.randint(0, E, (T, K), generator=g, dtype=torch.int32),
+              torch.rand(T, K, generator=g), torch.randn(T, H, generator=g).bfloat16()) for T in (5, 3)]
+    X, IDS, W, DOUT = (torch.cat([e[i] for e in every]) for i in range(4))
+    ref = moe_reference_backward(DOUT, X, IDS, W, *weights)
+    mine = slice(4, 8)
+    exact = {"dx": ref["dx"][5:], "d_topk_weights": ref["d_topk_weights"][5:], "d_w_gate": ref["d_w_gate"][mine],
+             "d_w_up": ref["d_w_up"][mine], "d_w_down": ref["d_w_down"][mine]}
+    errors = rank_gradient_errors(exact, every, 1, weights, mine, (None, None, None))
+    assert set(errors) == set(exact) and max(errors.values()) == 0.0
+    wrong = dict(exact, dx=ref["dx"][:3], d_w_gate=ref["d_w_gate"][:4])
+    errors = rank_gradient_errors(wrong, every, 1, weights, mine, (None, None, None))
+    assert errors["dx"] > 0.1 and errors["d_w_gate"] > 0.1 and errors["d_w_up"] == 0.0
