@@ -19,7 +19,8 @@ from pathlib import Path
 
 from .ir import MoESpec
 from .schedule import make_plan
-from .schedule.plan import PlanError, tile_n_choices
+from .schedule.records import PlanError
+from .schedule.tiling import tile_n_choices
 
 RECORD_FORMAT = 1
 

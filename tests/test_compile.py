@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mokgen.ir import PRESETS, MoESpec
-from mokgen.schedule.plan import L2_EVICT_FIRST, L2_EVICT_LAST, SWAP_ROWS
+from mokgen.schedule.single_launch import L2_EVICT_FIRST, L2_EVICT_LAST, SWAP_ROWS
 
 pytestmark = pytest.mark.compile
 

@@ -9,8 +9,10 @@ import sympy
 
 from mokgen.ir import PRESETS, MoESpec, forward_graph
 from mokgen.schedule import H200, Plan, PlanError, choose_gemm_tiling, make_plan
-from mokgen.schedule.plan import (L2_EVICT_LAST, SWAP_ACC_MAX, SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS, SWAP_ROWS,
-                                  check_plan)
+from mokgen.schedule.gemms import SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS
+from mokgen.schedule.plan import check_plan
+from mokgen.schedule.single_launch import L2_EVICT_LAST, SWAP_ROWS
+from mokgen.schedule.tiling import SWAP_ACC_MAX
 
 SPECS = list(PRESETS.values()) + [MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
                                   MoESpec(experts=1, topk=1, hidden=64, intermediate=64)]
@@ -552,7 +554,8 @@ def test_single_launch_combine_spreads_each_row_over_warps():
     """The single launch's combine may split a token row into parts of 32 lanes x VEC columns
     (any divisor of hidden / 256 in bf16), so a small call's few rows reach every CTA's warps;
     expert parallel keeps whole rows."""
-    from mokgen.schedule.plan import VEC, combine_parts
+    from mokgen.schedule.records import VEC
+    from mokgen.schedule.single_launch import combine_parts
 
     assert 32 * VEC == 256 and combine_parts(2048) == [1, 2, 4, 8] and combine_parts(1536) == [1, 2, 3, 6]
     assert combine_parts(32 * VEC + 64) == [1]  # not a whole number of parts: whole rows only
@@ -563,7 +566,7 @@ def test_single_launch_combine_spreads_each_row_over_warps():
                    overrides={"ep_fused_combine": True})
     assert ep.kernel("gemm_fused").params["combine"] and ep.kernel("gemm_fused").params["combine_parts"] == [1]
     # how far a lane's pieces are unrolled: the Plan's constant, or the override, in every launch that combines
-    from mokgen.schedule.plan import COMBINE_UNROLL
+    from mokgen.schedule.single_launch import COMBINE_UNROLL
 
     names = ("gemm_fused", "gemm_fused_n32", "gemm_fused_routed", "gemm_fused_n32_routed")
     assert all(p.kernel(n).params["combine_unroll"] == COMBINE_UNROLL for n in names)

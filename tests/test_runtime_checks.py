@@ -36,7 +36,7 @@ def test_a_timed_out_wait_is_reported_by_kernel_and_site():
 def test_error_codes_become_the_right_exception():
     from mokgen.runtime import KernelTimeout
     from mokgen.runtime.variant import status_error
-    from mokgen.schedule.plan import BAD_IDS_CODE
+    from mokgen.schedule.status import BAD_IDS_CODE
 
     e = status_error("v", 64, {0: "gemm_fused"}, BAD_IDS_CODE, 500)
     assert isinstance(e, InputError) and "outside [0, 64)" in str(e)
@@ -211,7 +211,7 @@ def test_an_error_code_in_the_status_word_raises_once_without_waiting(monkeypatc
     import ctypes
 
     from mokgen.runtime import variant as V
-    from mokgen.schedule.plan import BAD_IDS_CODE
+    from mokgen.schedule.status import BAD_IDS_CODE
 
     v = object.__new__(V.Variant)
     v.name, v.spec, v.plan = "v", types.SimpleNamespace(experts=64), {"overrides": {}}

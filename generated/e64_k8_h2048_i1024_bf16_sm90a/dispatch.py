@@ -212,7 +212,7 @@ D_SEG = D_CHUNK // D_WARPS  # pairs per warp, ranked 32 at a time
 D_PARTS = 4
 D_SUM_UNROLL = 8  # chunk_hist loads in flight per thread
 D_FULL_MASK = -1
-D_CHUNK_SCRATCH = 1282  # shared ints the phases use (mokgen/schedule/plan.py, chunk_scratch)
+D_CHUNK_SCRATCH = 1282  # shared ints the phases use (mokgen/schedule/dispatch.py, chunk_scratch)
 
 
 @cute.jit

@@ -94,7 +94,7 @@ USED_SLOT = 10  # tile_counter entry where dispatch wrote the number of used M t
 GATEUP = 0  # tile kinds; the gate/up kinds are even
 DOWN = 1
 # The combine's tasks: (token row, part) pairs; the launch splits rows into the most of these
-# part counts that gives no warp two tasks (mokgen/schedule/plan.py, combine_parts).
+# part counts that gives no warp two tasks (mokgen/schedule/single_launch.py, combine_parts).
 COMBINE_PARTS = [1, 2, 4, 8]
 COMBINE_UNROLL = 2  # a lane's pieces of a task loaded (from all K rows) before they are summed
 DONE_SLOT = 11  # tile_counter entry: finished down tiles (the combine waits for all)

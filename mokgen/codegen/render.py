@@ -14,7 +14,7 @@ import jinja2
 
 from .. import __version__
 from ..schedule import Plan
-from ..schedule.plan import KernelPlan
+from ..schedule.records import KernelPlan
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
 # The CuTe-DSL release the templates are written against (pyproject pins it).

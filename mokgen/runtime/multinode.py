@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import MoESpec, SpecError
-from ..schedule.plan import EMPTY_ID as EMPTY
+from ..schedule.dispatch import EMPTY_ID as EMPTY
 from .checks import InputError
 
 # (group, device) -> the side stream the counts and the row exchange run on

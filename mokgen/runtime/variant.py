@@ -24,7 +24,7 @@ from ..ir.graph import C as C_SYM
 from ..ir.graph import T as T_SYM
 from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS, OVERFLOW_KIND
 from ..schedule.backward import EP_SAVED_FOR_BACKWARD, SAVED_FOR_BACKWARD, backward_decision
-from ..schedule.plan import BAD_IDS_CODE, WAIT_TIMEOUT_MS
+from ..schedule.status import BAD_IDS_CODE, WAIT_TIMEOUT_MS
 from .checks import InputError
 from .library import BoundEntry, Launcher, cuda_stream, on_device, open_library
 from .ops import PER_CALL_MEMORY, register_ops

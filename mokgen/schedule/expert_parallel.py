@@ -45,6 +45,7 @@ import sympy
 from ..ir import MoESpec
 from ..ir.graph import RC, C, T
 from .records import VEC, Buffer, KernelArg, KernelPlan, PlanError, _expr
+from .single_launch import dispatch_phase, fused_misfit
 from .target import Target
 
 # The symmetric regions (one symmetric allocation each); ep_peers[r, w] is region r's
@@ -207,8 +208,6 @@ def return_in_gemm(down: KernelPlan, spec: MoESpec, target: Target, overrides: d
 def fused_misfit_ep(spec: MoESpec, overrides: dict, tile_n: int) -> str | None:
     """Why the single launch (send, gate/up, down, return in one kernel) is not built for this
     expert-parallel layer whose gate/up tiles are tile_n wide (None: it is)."""
-    from .plan import fused_misfit  # (plan imports this module lazily)
-
     if not overlapped(overrides) or not gemm_returns(overrides):
         return "the single launch sends and returns inside the GEMM launch: it needs ep_overlap and gemm_returns"
     if spec.shared_intermediate:
@@ -498,8 +497,6 @@ def layout_in_launch(fused: KernelPlan, spec: MoESpec, dparams: dict, layout: di
     positions and bits), each phase ordered by a launch-wide counter (bounded waits). Plan
     override dispatch_in_launch: false keeps those four kernels before it. Returns the Plan's
     decision text, or None when it stays apart."""
-    from .plan import dispatch_phase
-
     if not overrides.get("dispatch_in_launch", True):
         return None
     K, W = spec.topk, spec.world_size

@@ -37,8 +37,9 @@ import json
 from .. import __version__
 from ..ir import MoESpec
 from ..ir.spec import E4M3_MAX, FP8_BLOCK, FP8_INTERLEAVE
-from .plan import make_plan, mirror_status_by_last_kernels
+from .plan import make_plan
 from .records import PLAN_FORMAT, Buffer, KernelArg, KernelPlan, Plan, PlanError
+from .status import mirror_status_by_last_kernels
 from .target import Target
 
 FP8_TILE_M = 128  # two consumer warpgroups of 64 rows

@@ -1,6 +1,7 @@
 """The Plan's records (KernelArg, KernelPlan, Buffer, Plan), PlanError, and the few facts of
 the hardware and of the SIMT kernels that every planning module shares. Each planning module
-(plan.py, backward.py, expert_parallel.py, fp8.py) builds these records; nothing here decides.
+(plan.py and the modules it asks, backward.py, expert_parallel.py, fp8.py) builds these
+records; nothing here decides.
 """
 from __future__ import annotations
 
