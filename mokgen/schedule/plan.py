@@ -315,6 +315,48 @@ def choose_paths(spec: MoESpec, target: Target, row_tile: int, ov: dict, cluster
     return Paths(kind, fused_combine, combine_early, mirror_status, backward)
 
 
+# Expert parallel: tokens per rank up to which a call runs the single launch (send, GEMMs and
+# return in one kernel). Measured on 2 H200s (E64 K8 H2048 I1024, docs/perf.md, "Expert
+# parallelism: send, both GEMMs and the return in one launch"), from a CUDA graph: 1.04-1.05x
+# the per-GEMM path at 64 / 256 / 1024 tokens per rank in one run, 1.00-1.05x in another,
+# 0.98x at 2048.
+EP_FUSED_MAX_TOKENS = 1024
+
+
+def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict | None, cluster_m: int):
+    """("multi" | "fused" | "by_tokens", why): which GEMM paths the forward is built with."""
+    ov = overrides or {}
+    if spec.world_size > 1:
+        from . import expert_parallel
+
+        if ov.get("fuse_gemms") is True:  # the training forward and the backward build on the per-GEMM path
+            raise PlanError("fuse_gemms: true is not generated for several GPUs: the single launch is built beside "
+                            "the per-GEMM path by default (fuse_gemms: false leaves it out)")
+        tn = choose_gemm_tiling(spec.intermediate, spec.hidden, "swiglu", target, row_tile, False,
+                                ov.get("gemm_gateup.tile_n"), ov.get("gemm_gateup.epi_stages"))["tile_n"]
+        unfit = expert_parallel.fused_misfit_ep(spec, ov, tn)
+        if unfit:
+            return "multi", f"GEMM path: one launch per GEMM ({unfit})"
+        if ov.get("fuse_gemms") is not False:
+            return "by_tokens", (f"GEMM paths: calls with T <= {EP_FUSED_MAX_TOKENS} tokens per rank run the single "
+                                 "launch (send, gate/up, down and return in one kernel), larger ones the send kernel "
+                                 "beside one launch per GEMM (measured crossover, docs/perf.md)")
+    if ov.get("fuse_gemms") is True:
+        return "fused", "GEMM path: one fused launch (override fuse_gemms)"
+    if ov.get("fuse_gemms") is False:
+        return "multi", "GEMM path: one launch per GEMM (override fuse_gemms: false)"
+    H, I, S = spec.hidden, spec.intermediate, spec.shared_intermediate
+    tn = choose_gemm_tiling(I, H, "swiglu", target, row_tile, True, ov.get("gemm_gateup.tile_n"),
+                            ov.get("gemm_gateup.epi_stages"))["tile_n"]
+    unfit = fused_misfit(H, I, S, tn)
+    if unfit:
+        return "multi", f"GEMM path: one launch per GEMM ({unfit})"
+    if cluster_m != 1:
+        return "multi", "GEMM path: one launch per GEMM (clusters are built for it only)"
+    return "by_tokens", (f"GEMM paths: calls with T <= {FUSED_MAX_TOKENS} run the fused launch (all GEMM tiles in "
+                         "one persistent kernel), larger ones one launch per GEMM (measured crossover, docs/perf.md)")
+
+
 @dataclass(frozen=True)
 class Counters:
     """tile_counters, one place for every slot; dispatch_count zeroes them all, so no extra
@@ -460,48 +502,6 @@ def profiling(kernels: list, steps: dict, buffers: list, spec: MoESpec, target: 
     decisions.append("profiling build: every task (GEMM tile, dispatch CTA, combine CTA; in a single launch "
                      "each CTA's dispatch and combine phases too) records its SM and its start and end time "
                      "(globaltimer) in prof_<kernel>; `mokgen profile` draws them")
-
-
-# Expert parallel: tokens per rank up to which a call runs the single launch (send, GEMMs and
-# return in one kernel). Measured on 2 H200s (E64 K8 H2048 I1024, docs/perf.md, "Expert
-# parallelism: send, both GEMMs and the return in one launch"), from a CUDA graph: 1.04-1.05x
-# the per-GEMM path at 64 / 256 / 1024 tokens per rank in one run, 1.00-1.05x in another,
-# 0.98x at 2048.
-EP_FUSED_MAX_TOKENS = 1024
-
-
-def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict | None, cluster_m: int):
-    """("multi" | "fused" | "by_tokens", why): which GEMM paths the forward is built with."""
-    ov = overrides or {}
-    if spec.world_size > 1:
-        from . import expert_parallel
-
-        if ov.get("fuse_gemms") is True:  # the training forward and the backward build on the per-GEMM path
-            raise PlanError("fuse_gemms: true is not generated for several GPUs: the single launch is built beside "
-                            "the per-GEMM path by default (fuse_gemms: false leaves it out)")
-        tn = choose_gemm_tiling(spec.intermediate, spec.hidden, "swiglu", target, row_tile, False,
-                                ov.get("gemm_gateup.tile_n"), ov.get("gemm_gateup.epi_stages"))["tile_n"]
-        unfit = expert_parallel.fused_misfit_ep(spec, ov, tn)
-        if unfit:
-            return "multi", f"GEMM path: one launch per GEMM ({unfit})"
-        if ov.get("fuse_gemms") is not False:
-            return "by_tokens", (f"GEMM paths: calls with T <= {EP_FUSED_MAX_TOKENS} tokens per rank run the single "
-                                 "launch (send, gate/up, down and return in one kernel), larger ones the send kernel "
-                                 "beside one launch per GEMM (measured crossover, docs/perf.md)")
-    if ov.get("fuse_gemms") is True:
-        return "fused", "GEMM path: one fused launch (override fuse_gemms)"
-    if ov.get("fuse_gemms") is False:
-        return "multi", "GEMM path: one launch per GEMM (override fuse_gemms: false)"
-    H, I, S = spec.hidden, spec.intermediate, spec.shared_intermediate
-    tn = choose_gemm_tiling(I, H, "swiglu", target, row_tile, True, ov.get("gemm_gateup.tile_n"),
-                            ov.get("gemm_gateup.epi_stages"))["tile_n"]
-    unfit = fused_misfit(H, I, S, tn)
-    if unfit:
-        return "multi", f"GEMM path: one launch per GEMM ({unfit})"
-    if cluster_m != 1:
-        return "multi", "GEMM path: one launch per GEMM (clusters are built for it only)"
-    return "by_tokens", (f"GEMM paths: calls with T <= {FUSED_MAX_TOKENS} run the fused launch (all GEMM tiles in "
-                         "one persistent kernel), larger ones one launch per GEMM (measured crossover, docs/perf.md)")
 
 
 def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -> None:
