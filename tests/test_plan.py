@@ -819,3 +819,24 @@ def test_every_entrys_last_kernel_mirrors_its_error_code():
     # (and no counter of finished CTAs is kept for it)
     counters = {b.name: b.shape for b in off.buffers}["tile_counters"]
     assert int(counters[0]) == int({b.name: b.shape for b in plan.buffers}["tile_counters"][0]) - 1
+
+
+def test_each_planning_constant_is_decided_in_one_module():
+    """One place decides each thing: no constant (a top-level UPPER_CASE name) of the planning
+    modules is assigned in two of them; a module that needs another's imports it."""
+    import ast
+    from pathlib import Path
+
+    import mokgen.schedule
+
+    where: dict = {}
+    for path in sorted(Path(mokgen.schedule.__file__).parent.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id.isupper() and len(t.id) > 1:
+                    where.setdefault(t.id, []).append(path.name)
+    twice = {name: files for name, files in where.items() if len(files) > 1}
+    assert not twice, f"constants assigned in more than one planning module: {twice}"
+    assert len(where) > 50  # (the scan sees the modules' constants)

@@ -27,7 +27,7 @@ from ..ir import MoESpec
 from ..schedule import Plan, make_plan
 from .render import render, write_tree
 
-LIB_NAME = "libmokgen.so"
+LIB_NAME = "libmokgen.so"  # (mokgen/runtime/variant.py names it too: the runtime imports no codegen)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -12,6 +12,10 @@ from pathlib import Path
 
 import torch
 
+# The Plan's element types (KernelArg.dtype, Buffer.dtype) as torch dtypes.
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
+          "e4m3": torch.float8_e4m3fn}
+
 
 class LaunchError(RuntimeError):
     """A kernel launch returned a CUDA error."""

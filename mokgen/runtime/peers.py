@@ -25,9 +25,8 @@ from ..ir.graph import RC as RC_SYM
 from ..ir.graph import C as C_SYM
 from ..schedule.expert_parallel import BACKWARD_REGIONS, REGIONS, STATE
 from .checks import InputError
+from .library import DTYPES
 
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
-          "e4m3": torch.float8_e4m3fn}
 # How long a rank waits at a host rendezvous for the others (their first call may include
 # loading the variant, or a slow data loader): long, but not forever.
 RENDEZVOUS_TIMEOUT_S = 300.0

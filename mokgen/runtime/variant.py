@@ -26,12 +26,10 @@ from ..schedule.expert_parallel import EP_ERROR, FLAG_KINDS, OVERFLOW_KIND
 from ..schedule.backward import EP_SAVED_FOR_BACKWARD, SAVED_FOR_BACKWARD, backward_decision
 from ..schedule.status import BAD_IDS_CODE, WAIT_TIMEOUT_MS
 from .checks import InputError
-from .library import BoundEntry, Launcher, cuda_stream, on_device, open_library
+from .library import DTYPES, BoundEntry, Launcher, cuda_stream, on_device, open_library
 from .ops import PER_CALL_MEMORY, register_ops
 
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
-          "e4m3": torch.float8_e4m3fn}
-LIB_NAME = "libmokgen.so"
+LIB_NAME = "libmokgen.so"  # (what mokgen/codegen/build.py links; the runtime imports no codegen)
 # An inference call's per-call buffers are kept for the next call of the same entry and T (same
 # device and stream) when they take at most this much memory: allocating them (8 torch.empty a
 # call) was the largest host item of a small eager call (docs/perf.md), while a large call's
