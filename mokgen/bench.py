@@ -252,10 +252,7 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
                 + (f", {st['joules']:.3f} J per call, {st['call_power_w']} W while the calls ran" if "joules" in st
                    else f", {st['power_w']} W" if "power_w" in st else ""))
         torch.cuda.empty_cache()
-    base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
-    for r in rows:
-        r["speedup_vs_grouped_mm"] = base[r["T"]] / r["ms"] if r["T"] in base else None
-    return rows
+    return with_speedups(rows)
 
 
 def bench_training(variant, tokens: list[int], log=print, routing: str = "uniform",
@@ -323,10 +320,7 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
                 f"gradient rel_err {_err(worst)}" + (f", {st['sm_clock_mhz']} MHz" if "sm_clock_mhz" in st else "")
                 + (f", {st['call_power_w']} W while the calls ran" if "call_power_w" in st else ""))
         torch.cuda.empty_cache()
-    base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
-    for r in rows:
-        r["speedup_vs_grouped_mm"] = base[r["T"]] / r["ms"] if r["T"] in base else None
-    return rows
+    return with_speedups(rows)
 
 
 def _err(err, width: int = 0) -> str:
@@ -380,6 +374,15 @@ def run(variants, tokens, json_path: Path | None, baselines, log=print, backward
         if png:
             log(f"wrote {png}")
     return result
+
+
+def with_speedups(rows: list) -> list:
+    """Each row's speedup_vs_grouped_mm: torch grouped_mm's time at its T over its own (None
+    where grouped_mm did not run at that T)."""
+    base = {r["T"]: r["ms"] for r in rows if r["impl"] == "torch_grouped_mm"}
+    for r in rows:
+        r["speedup_vs_grouped_mm"] = base[r["T"]] / r["ms"] if r["T"] in base else None
+    return rows
 
 
 def plot(result: dict, path: Path):

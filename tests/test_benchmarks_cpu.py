@@ -269,3 +269,11 @@ def test_compare_training_needs_something_to_compare():
     r = subprocess.run([sys.executable, script, "--skip", "bwd_swiglu", "--tokens", "x"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "--tokens must be comma-separated integers" in r.stderr
+
+
+def test_bench_rows_get_their_speedup_over_grouped_mm_at_the_same_token_count():
+    from mokgen.bench import with_speedups
+
+    rows = with_speedups([dict(T=64, impl="mokgen", ms=0.2), dict(T=64, impl="torch_grouped_mm", ms=0.6),
+                          dict(T=1024, impl="mokgen", ms=0.25)])
+    assert [r["speedup_vs_grouped_mm"] for r in rows] == [pytest.approx(3.0), pytest.approx(1.0), None]
