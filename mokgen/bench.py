@@ -48,6 +48,10 @@ def torch_loop(x, ids, w, wg, wu, wd, shared=None):
 
 # Rounds of `mokgen bench` (energy_rounds): each implementation timed in each, the order rotating.
 BENCH_ROUNDS = 2
+# The forward's float64 reference runs expert by expert; beside x and out in float64 (8 bytes an
+# element each) it holds one expert's weights and rows. Up to T x H = 16384 x 4096 (1 GB for x and
+# out) it fits beside any variant's bench inputs; a larger call is timed without it.
+REFERENCE_MAX_ELEMENTS = 16384 * 4096
 
 
 def experiment_build(name: str, variant: str):
@@ -216,7 +220,11 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
         gen = torch.Generator(device="cuda").manual_seed(1234 + T)
         x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(spec, T, routing, gen)
         flops = forward_flops(spec, T)
-        ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd) if T * spec.hidden <= 16384 * 4096 else None
+        ref = None
+        if T * spec.hidden <= REFERENCE_MAX_ELEMENTS:
+            ref = moe_reference(x, ids, w, wg, wu, wd, sg, su, sd)
+        else:
+            log(f"  (no float64 reference of the output at T={T}: T x H above {REFERENCE_MAX_ELEMENTS})")
         if spec.dtype == "fp8":  # (the experts quantised ahead, by the variant's kernels; rel_err is FP8's)
             experts = variant.quantize_experts_fp8(wg, wu, wd)
             impls = {"mokgen": lambda: variant.forward_fp8(x, ids, w, experts)}
@@ -235,7 +243,7 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
         errs = {}
         for name, fn in impls.items():
             out = fn() if name != "mokgen_graph" else impls["mokgen"]()
-            errs[name] = rel_error(out, ref) if ref is not None else None  # (no float64 reference at this size)
+            errs[name] = rel_error(out, ref) if ref is not None else None
         timed = energy_rounds({n: f for n, f in impls.items() if n != "torch_loop"}, rounds)
         if "torch_loop" in impls:
             timed["torch_loop"] = (time_ms(impls["torch_loop"], 5, 10), None, None, gpu_state())
@@ -263,7 +271,6 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
     the forward's work). The first call's gradients are checked against float64 autograd of
     the reference. Both are timed in `rounds` rotating rounds (energy_rounds). An FP8 variant
     runs mokgen.moe_fp8_train (the experts quantised on each call, every gradient in FP8)."""
-    from .reference import moe_reference_backward
     from .runtime import moe, moe_fp8_train
     from .verify import GRADIENTS, SHARED_GRADIENTS
 
@@ -289,7 +296,7 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
             xr, wr, g, u, d, *s = leaves
             experts_torch(xr, ids, wr, g, u, d, shared=s or None).backward(dout)
 
-        ref = moe_reference_backward(dout, x, ids, w, wg, wu, wd, *shared) if T <= 4096 else None
+        ref = reference_gradients(spec, T, dout, (x, ids, w, wg, wu, wd) + tuple(shared), log)
         impls, grad_errs = {}, {}
         for name, fn in (("mokgen", ours), ("torch_grouped_mm", grouped)):
             for t in leaves:
@@ -305,6 +312,7 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
                 fn()
 
             impls[name] = call
+        del ref  # (its float64 gradients, gigabytes at large T, are not kept while the calls are timed)
         # Energy per call too: at large T both run into the power cap, where the time
         # follows the energy a call needs.
         timed = energy_rounds(impls, rounds)
@@ -321,6 +329,21 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
                 + (f", {st['call_power_w']} W while the calls ran" if "call_power_w" in st else ""))
         torch.cuda.empty_cache()
     return with_speedups(rows)
+
+
+def reference_gradients(spec, T: int, dout, inputs: tuple, log=print):
+    """float64 autograd of the reference (moe_reference_backward) where it fits in what the GPU
+    has free (verify.reference_backward_bytes: E64 T=16384 about 16 GB, E256 about 180 GB
+    whatever T), else None, and the log says why no gradient error is given."""
+    from .reference import moe_reference_backward
+    from .verify import free_gpu_bytes, reference_backward_bytes
+
+    need, free = reference_backward_bytes(spec, T), free_gpu_bytes()
+    if need > free:
+        log(f"  (no float64 reference of the gradients at T={T}: it needs about {need / 2**30:.1f} GiB, "
+            f"{free / 2**30:.1f} GiB free)")
+        return None
+    return moe_reference_backward(dout, *inputs)
 
 
 def _err(err, width: int = 0) -> str:

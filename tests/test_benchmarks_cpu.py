@@ -277,3 +277,25 @@ def test_bench_rows_get_their_speedup_over_grouped_mm_at_the_same_token_count():
     rows = with_speedups([dict(T=64, impl="mokgen", ms=0.2), dict(T=64, impl="torch_grouped_mm", ms=0.6),
                           dict(T=1024, impl="mokgen", ms=0.25)])
     assert [r["speedup_vs_grouped_mm"] for r in rows] == [pytest.approx(3.0), pytest.approx(1.0), None]
+
+
+def test_bench_checks_gradients_against_float64_wherever_the_reference_fits(monkeypatch):
+    """`mokgen bench --backward` gives a gradient error at every T whose float64 autograd fits in
+    the GPU's free memory (E64 T=16384, [training]'s shape, takes about 16 GB), and says why where
+    it does not, instead of a bare "-"."""
+    import mokgen.reference
+    import mokgen.verify
+    from mokgen.bench import reference_gradients
+    from mokgen.ir import MoESpec
+
+    calls, lines = [], []
+    monkeypatch.setattr(mokgen.reference, "moe_reference_backward", lambda *a: calls.append(a) or {"dx": 1})
+    olmoe = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024)
+    need = mokgen.verify.reference_backward_bytes(olmoe, 16384)
+    assert 8 * 2**30 < need < 24 * 2**30
+    monkeypatch.setattr(mokgen.verify, "free_gpu_bytes", lambda: 70 * 2**30)
+    assert reference_gradients(olmoe, 16384, "dout", ("x", "ids"), lines.append) == {"dx": 1}
+    assert calls == [("dout", "x", "ids")] and lines == []
+    monkeypatch.setattr(mokgen.verify, "free_gpu_bytes", lambda: 4 * 2**30)
+    assert reference_gradients(olmoe, 16384, "dout", ("x", "ids"), lines.append) is None
+    assert len(calls) == 1 and "needs about" in lines[0] and "4.0 GiB free" in lines[0]
