@@ -13,7 +13,8 @@
 #            partition hash is, and whether it repeats from one 2 MB page to the next)
 #   l2stream: whether SMs reading only the lines homed in their own L2 partition stream faster than SMs reading
 #             every line (benchmarks/l2_near_stream.cu: maps SMs and 4 KB granules to partitions, then times both,
-#             and the TMA loads of weight rows in one box a stage or one box a row, from one lane or a warp)
+#             the TMA loads of weight rows in one box a stage or one box a row, from one lane or a warp, and the
+#             streams again beside MMAs on every SM, at the clock the power cap leaves)
 #   l2mcast: whether a TMA multicast of the token rows over a cluster of 2 or 4 CTAs makes the 160-row gate/up
 #            tiles faster (benchmarks/l2_multicast.cu: the tiles' TMA loads and wgmma, no epilogue; the rows not
 #            loaded at all, loaded by every CTA, multicast, or gathered half by each CTA of a pair and pushed into the

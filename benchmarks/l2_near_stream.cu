@@ -32,7 +32,18 @@
 //      do); one-row boxes issued by one thread and by a whole warp (whether one thread's issue
 //      rate or the TMA unit bounds them). A checksum of what lands says whether one-row boxes
 //      under the 128 B swizzle land as the rows of one box do.
+//   5. Phase 3's mixed and near streams again with the MMAs' power beside them: a burner block on
+//      every SM (8 warps of back-to-back bf16 mma.sync on random operands, no memory traffic)
+//      runs through the timed launches, as the single launch's MMAs run beside its loads. Phase 3
+//      ran at the uncapped clock, where the fabric between the partitions carries about 2.5
+//      TB/s; the launch at T = 1024 runs at the 700 W cap, about 1.6 GHz. If the fabric's rate
+//      follows the clock, near-only reads gain more here than in phase 3, and the far-only
+//      stream (the fabric's own rate) slows with the clock. First a burner that only sleeps
+//      between polls (what a resident block costs the stream by itself), then the MMAs. Every
+//      stream prints the SMs' median clock over the launch (clock64 against globaltimer).
 #include <algorithm>
+#include <chrono>
+#include <initializer_list>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -115,15 +126,26 @@ __global__ void map_grains(const char* chunk, int grains, const int* rank, int n
     hold[0] = 0;
 }
 
-// Phase 3. SM s reads granules list[off[s] .. off[s + 1]); done counts the SMs that ran.
-__global__ void __launch_bounds__(1024, 1)
-    stream(const uint4* buf, const int* list, const int* off, int* claimed, int* done, uint32_t* sink, int epoch) {
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Phase 3. SM s reads granules list[off[s] .. off[s + 1]); done counts the SMs that ran; clk[2 s],
+// clk[2 s + 1]: the SM clocks and nanoseconds its block took (its clock rate over the launch). At most
+// 48 registers a thread, so that phase 5's burner block (256 threads of 56) fits beside it on an SM.
+__global__ void __maxnreg__(48)
+    stream(const uint4* buf, const int* list, const int* off, int* claimed, int* done, uint32_t* sink, int epoch,
+           long long* clk) {
     extern __shared__ char hold[];
     __shared__ int mine;
     const uint32_t me = sm_id();
     if (threadIdx.x == 0) mine = me < gridDim.x && atomicExch(claimed + me, epoch) != epoch;
     __syncthreads();
     if (!mine) return;
+    const long long c0 = clock64();
+    const unsigned long long t0 = global_ns();
     const int b = off[me], e = off[me + 1];
     constexpr int PER = GRAIN / 16;            // uint4s a granule
     const int sub = threadIdx.x / PER;         // which of 4 granules an iteration reads
@@ -148,8 +170,71 @@ __global__ void __launch_bounds__(1024, 1)
     const uint32_t acc = a0.x ^ a0.y ^ a0.z ^ a0.w;  // every byte read feeds it: no load is narrowed
     if (acc == 0x9e3779b9u) sink[0] = acc;
     __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(done, 1);
+    if (threadIdx.x == 0) {
+        clk[2 * me] = clock64() - c0;
+        clk[2 * me + 1] = (long long)(global_ns() - t0);
+        atomicAdd(done, 1);
+    }
     hold[0] = 0;
+}
+
+// Phase 5. One block of 8 warps per SM beside the stream's block: bf16 mma.sync (m16n8k16, fp32
+// sums) on operands that change every step, 8 independent sums a warp so the tensor pipe never
+// waits, and no memory traffic. The launch has several blocks per SM, and the first block on an SM
+// claims it (taken[s]; burners counts them), the others leave at once, as the scheduler may place
+// two on one SM and none on another. It stops when *stop is set (a device word the host's copy
+// writes) or after limit_ns, whichever is first: never a hang.
+__global__ void __launch_bounds__(256, 1) burn(const volatile int* stop, unsigned long long limit_ns, uint32_t* sink,
+                                               unsigned long long* ran_ns, int* taken, int* burners, int mma) {
+    __shared__ int mine;
+    if (threadIdx.x == 0) {
+        mine = atomicExch(taken + sm_id(), 1) == 0;
+        if (mine) atomicAdd(burners, 1);
+    }
+    __syncthreads();
+    if (!mine) return;
+    uint32_t a[4], b[2];
+    for (int i = 0; i < 4; ++i) a[i] = (mix32(threadIdx.x * 8 + i) & 0x807f807fu) | 0x3f003f00u;  // +-[0.5, 1)
+    for (int i = 0; i < 2; ++i) b[i] = (mix32(threadIdx.x * 8 + 4 + i) & 0x807f807fu) | 0x3f003f00u;
+    float c[8][4] = {};
+    const unsigned long long t0 = global_ns();
+    for (;;) {
+#pragma unroll 1
+        for (int r = 0; r < 256 * mma; ++r) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                asm volatile(
+                    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                    "{%0,%1,%2,%3};"
+                    : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3])
+                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+            a[0] ^= 0x00010001u;  // operands that toggle bits, as real data does
+            a[2] ^= 0x00020002u;
+        }
+        if (!mma) __nanosleep(1000);
+        if (*stop || global_ns() - t0 > limit_ns) break;
+    }
+    float sum = 0.f;
+    for (int j = 0; j < 8; ++j) sum += c[j][0] + c[j][1] + c[j][2] + c[j][3];
+    if (sum == 1.2345f) sink[0] = 1;
+    if (threadIdx.x == 0) atomicMax(ran_ns, global_ns() - t0);
+}
+
+// The median of the SMs' clock rates over a launch, MHz, from stream's clk words.
+inline double median_mhz(const long long* clk_d, int sms, double* block_ms = nullptr) {
+    std::vector<long long> c(2 * size_t(sms));
+    CHECK(cudaMemcpy(c.data(), clk_d, c.size() * 8, cudaMemcpyDeviceToHost));
+    std::vector<double> mhz, ms;
+    for (int s = 0; s < sms; ++s)
+        if (c[2 * s + 1] > 0) {
+            mhz.push_back(1e3 * double(c[2 * s]) / double(c[2 * s + 1]));
+            ms.push_back(double(c[2 * s + 1]) * 1e-6);
+        }
+    if (mhz.empty()) return 0.0;
+    std::sort(mhz.begin(), mhz.end());
+    std::sort(ms.begin(), ms.end());
+    if (block_ms) *block_ms = ms[ms.size() / 2];
+    return mhz[mhz.size() / 2];
 }
 
 // Phase 4: the GEMM's way of reading weights. One block per SM: a producer thread fills a ring of
@@ -394,8 +479,11 @@ int main(int argc, char** argv) {
     int epoch = 0;
     std::printf("phase 3: one block per SM, 1024 threads; GB/s into the SMs (median of 11), "
                 "and the slowest SM's share of the bytes against an even one\n");
-    for (int reuse = 1; reuse <= 2; ++reuse) {
-        for (const char* mode : {"mixed", "near", "far"}) {
+    long long* clk_d = nullptr;
+    CHECK(cudaMalloc(&clk_d, size_t(sms) * 2 * 8));
+    // Times each mode's stream at one reuse: 14 launches, the first 3 untimed, the median kept.
+    auto streams = [&](std::initializer_list<const char*> modes, int reuse) {
+        for (const char* mode : modes) {
             const std::string m = mode;
             const Lists l = deal(sms, reuse, [&](int s) -> std::tuple<const std::vector<int>*, int, int> {
                 if (m == "mixed") return {&all, s, sms};
@@ -408,25 +496,80 @@ int main(int argc, char** argv) {
             size_t most = 0;
             for (int s = 0; s < sms; ++s) most = std::max(most, size_t(l.off[s + 1] - l.off[s]));
             std::vector<float> ms;
+            double mhz = 0.0, block_ms = 0.0;
             for (int it = 0; it < 14; ++it) {
                 CHECK(cudaMemset(done, 0, 4));
                 ++epoch;
                 CHECK(cudaEventRecord(e0));
                 stream<<<sms, 1024, SMEM>>>(reinterpret_cast<const uint4*>(buf), list_d, off_d, claimed, done, sink,
-                                            epoch);
+                                            epoch, clk_d);
                 const Launched run = finish_launch(e0, e1, done, nullptr);
                 if (run.done != sms) {
                     std::printf("  %s reuse %d: %d of %d SMs ran\n", mode, reuse, run.done, sms);
                     break;
                 }
                 if (it >= 3) ms.push_back(run.ms);
+                if (it == 13) mhz = median_mhz(clk_d, sms, &block_ms);
             }
             if (ms.empty()) continue;
             std::sort(ms.begin(), ms.end());
             const double t = ms[ms.size() / 2] * 1e-3, bytes = double(l.list.size()) * GRAIN;
-            std::printf("  %-5s reuse %d: %8.3f ms  %7.0f GB/s  (%.2f GB; slowest SM %.2fx even)\n", mode, reuse,
-                        t * 1e3, bytes / t * 1e-9, bytes * 1e-9, double(most) * sms / l.list.size());
+            std::printf("  %-5s reuse %d: %8.3f ms  %7.0f GB/s  (%.2f GB; slowest SM %.2fx even; SMs at %.0f MHz, "
+                        "a block %.3f ms)\n", mode, reuse, t * 1e3, bytes / t * 1e-9, bytes * 1e-9,
+                        double(most) * sms / l.list.size(), mhz, block_ms);
         }
+    };
+    for (int reuse = 1; reuse <= 2; ++reuse) streams({"mixed", "near", "far"}, reuse);
+
+    // Phase 5: the same streams beside a burner block on every SM: first one that only sleeps
+    // between polls (what a resident block costs the stream by itself), then one that runs MMAs.
+    // The word that stops it is device memory, written by a copy on a third stream: polls of mapped
+    // host memory from every SM (a first version) starved the stream's loads a hundredfold.
+    CHECK(cudaFuncSetAttribute(burn, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    for (int mma = 0; mma <= 1; ++mma) {
+        int* stop_h = nullptr;  // pinned: its copy runs while the burners do
+        int* stop_d = nullptr;
+        CHECK(cudaMallocHost(&stop_h, 4));
+        *stop_h = 1;
+        CHECK(cudaMalloc(&stop_d, 4));
+        CHECK(cudaMemset(stop_d, 0, 4));
+        cudaStream_t side, copier;
+        CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+        CHECK(cudaStreamCreateWithFlags(&copier, cudaStreamNonBlocking));
+        unsigned long long* ran_d = nullptr;
+        int *taken_d = nullptr, *burners_d = nullptr;
+        CHECK(cudaMalloc(&ran_d, 8));
+        CHECK(cudaMalloc(&taken_d, sms * 4));
+        CHECK(cudaMalloc(&burners_d, 4));
+        CHECK(cudaMemset(ran_d, 0, 8));
+        CHECK(cudaMemset(taken_d, 0, sms * 4));
+        CHECK(cudaMemset(burners_d, 0, 4));
+        CHECK(cudaDeviceSynchronize());
+        const unsigned long long limit_ns = 10ull * 1000000000ull;  // a stream that cannot sit beside it waits this long
+        // (An SM keeps the shared-memory size of the blocks it holds: the burner asks for the most,
+        // or its SM would keep too little for the stream's 200 KB.)
+        burn<<<sms * 8, 256, 0, side>>>(stop_d, limit_ns, sink, ran_d, taken_d, burners_d, mma);
+        CHECK(cudaGetLastError());
+        // Let the clock settle under the burners' power before the first timed stream.
+        const auto start = std::chrono::steady_clock::now();
+        while (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(500)) {}
+        int burners = 0;
+        CHECK(cudaMemcpy(&burners, burners_d, 4, cudaMemcpyDeviceToHost));  // (the legacy stream: not the burners')
+        std::printf("phase 5%s: phase 3's streams beside a block of 8 warps %s, on %d of %d SMs\n", mma ? "b" : "a",
+                    mma ? "of back-to-back bf16 mma.sync" : "that sleeps between polls", burners, sms);
+        for (int reuse = 1; reuse <= 2; ++reuse) streams({"mixed", "near", "far"}, reuse);
+        CHECK(cudaMemcpyAsync(stop_d, stop_h, 4, cudaMemcpyHostToDevice, copier));
+        CHECK(cudaStreamSynchronize(copier));
+        CHECK(cudaStreamSynchronize(side));
+        CHECK(cudaGetLastError());
+        unsigned long long ran = 0;
+        CHECK(cudaMemcpy(&ran, ran_d, 8, cudaMemcpyDeviceToHost));
+        std::printf("  the burners ran %.0f ms%s\n", ran * 1e-6,
+                    ran >= limit_ns ? ": to their limit, so the streams did not run beside them (figures void)" : "");
+        CHECK(cudaStreamDestroy(side));
+        CHECK(cudaStreamDestroy(copier));
+        CHECK(cudaFreeHost(stop_h));
+        CHECK(cudaFree(stop_d));
     }
     // Phase 4.
     fill<<<sms * 4, 1024>>>(reinterpret_cast<uint32_t*>(buf), grains * GRAIN / 4);
