@@ -32,7 +32,7 @@
 //      do); one-row boxes issued by one thread and by a whole warp (whether one thread's issue
 //      rate or the TMA unit bounds them). A checksum of what lands says whether one-row boxes
 //      under the 128 B swizzle land as the rows of one box do.
-//   5. Phase 3's mixed and near streams again with the MMAs' power beside them: a burner block on
+//   5. Phase 3's streams again with the MMAs' power beside them: a burner block on
 //      every SM (8 warps of back-to-back bf16 mma.sync on random operands, no memory traffic)
 //      runs through the timed launches, as the single launch's MMAs run beside its loads. Phase 3
 //      ran at the uncapped clock, where the fabric between the partitions carries about 2.5
