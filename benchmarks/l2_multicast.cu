@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = threadIdx.x / 128;
     long long t0 = 0, c0 = 0;
     if (threadIdx.x == 0) {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        t0 = (long long)global_ns();
         c0 = clock64();
     }
     uint32_t rank = 0;
@@ -310,8 +310,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
     if (csize > 1) cluster_sync();  // no CTA leaves while a peer may still load into it or arrive on it
     if (threadIdx.x == 0) {
-        long long t1;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+        const long long t1 = (long long)global_ns();
         const long long c1 = clock64();
         timing[blockIdx.x * 4 + 0] = t0;
         timing[blockIdx.x * 4 + 1] = t1;

@@ -126,12 +126,6 @@ __global__ void map_grains(const char* chunk, int grains, const int* rank, int n
     hold[0] = 0;
 }
 
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // Phase 3. SM s reads granules list[off[s] .. off[s + 1]); done counts the SMs that ran; clk[2 s],
 // clk[2 s + 1]: the SM clocks and nanoseconds its block took (its clock rate over the launch). At most
 // 48 registers a thread, so that phase 5's burner block (256 threads of 56) fits beside it on an SM.
@@ -569,7 +563,7 @@ int main(int argc, char** argv) {
         CHECK(cudaStreamDestroy(side));
         CHECK(cudaStreamDestroy(copier));
         CHECK(cudaFreeHost(stop_h));
-        CHECK(cudaFree(stop_d));
+        for (void* p : {(void*)stop_d, (void*)ran_d, (void*)taken_d, (void*)burners_d}) CHECK(cudaFree(p));
     }
     // Phase 4.
     fill<<<sms * 4, 1024>>>(reinterpret_cast<uint32_t*>(buf), grains * GRAIN / 4);

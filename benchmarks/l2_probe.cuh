@@ -26,6 +26,13 @@ __device__ __forceinline__ uint32_t sm_id() {
     return s;
 }
 
+// The GPU's nanosecond clock (globaltimer): with clock64 over the same span, an SM's clock rate.
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // A relaxed load at GPU scope: it is never elided, and it is served by L2, not L1.
 __device__ __forceinline__ uint32_t load_l2(const uint32_t* p) {
     uint32_t v;
