@@ -46,6 +46,9 @@ def torch_loop(x, ids, w, wg, wu, wd, shared=None):
     return out.to(x.dtype)
 
 
+# The forward's baselines by name (`mokgen bench --baselines`; the module docstring says what each
+# is). Forward + backward always runs torch grouped_mm with autograd.
+BASELINES = ("torch_grouped_mm", "torch_loop")
 # Rounds of `mokgen bench` (energy_rounds): each implementation timed in each, the order rotating.
 BENCH_ROUNDS = 2
 # The forward's float64 reference runs expert by expert; beside x and out in float64 (8 bytes an
@@ -209,11 +212,11 @@ def e4m3_peak_tflops() -> float | None:
         return None
 
 
-def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "torch_loop"), log=print,
-                  routing: str = "uniform", rounds: int = BENCH_ROUNDS) -> list[dict]:
+def bench_variant(variant, tokens: list[int], baselines=BASELINES, log=print,
+                  routing: str = "uniform", rounds: int = BENCH_ROUNDS, on_rows=None) -> list[dict]:
     """The forward of each implementation at each T: its output checked against the float64
     reference, its time and energy per call in `rounds` rotating rounds (energy_rounds; the
-    per-expert loop, seconds a call, once)."""
+    per-expert loop, seconds a call, once). on_rows(rows so far) after each T."""
     spec = variant.spec
     rows = []
     for T in tokens:
@@ -260,17 +263,20 @@ def bench_variant(variant, tokens: list[int], baselines=("torch_grouped_mm", "to
                 + (f", {st['joules']:.3f} J per call, {st['call_power_w']} W while the calls ran" if "joules" in st
                    else f", {st['power_w']} W" if "power_w" in st else ""))
         torch.cuda.empty_cache()
+        if on_rows:
+            on_rows(with_speedups(rows))
     return with_speedups(rows)
 
 
 def bench_training(variant, tokens: list[int], log=print, routing: str = "uniform",
-                   rounds: int = BENCH_ROUNDS) -> list[dict]:
+                   rounds: int = BENCH_ROUNDS, on_rows=None) -> list[dict]:
     """Forward + backward through autograd (the output gradient fixed, parameter gradients
     reset to None between calls), the generated op against torch grouped_mm with autograd
     (a shared expert as dense bf16 matmuls). FLOPs 3x the forward's (the backward does twice
     the forward's work). The first call's gradients are checked against float64 autograd of
     the reference. Both are timed in `rounds` rotating rounds (energy_rounds). An FP8 variant
-    runs mokgen.moe_fp8_train (the experts quantised on each call, every gradient in FP8)."""
+    runs mokgen.moe_fp8_train (the experts quantised on each call, every gradient in FP8).
+    on_rows(rows so far) after each T."""
     from .runtime import moe, moe_fp8_train
     from .verify import GRADIENTS, SHARED_GRADIENTS
 
@@ -328,6 +334,8 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
                 f"gradient rel_err {_err(worst)}" + (f", {st['sm_clock_mhz']} MHz" if "sm_clock_mhz" in st else "")
                 + (f", {st['call_power_w']} W while the calls ran" if "call_power_w" in st else ""))
         torch.cuda.empty_cache()
+        if on_rows:
+            on_rows(with_speedups(rows))
     return with_speedups(rows)
 
 
@@ -366,10 +374,22 @@ def format_table(rows: list[dict], peak: float) -> str:
     return "\n".join(lines)
 
 
+def save_result(json_path: Path, result: dict) -> None:
+    """The result as JSON at json_path, written whole or not at all (a temporary file in the
+    same folder, then one rename), so a reader never sees half a file."""
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = json_path.with_name(json_path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(json_path)
+
+
 def run(variants, tokens, json_path: Path | None, baselines, log=print, backward: bool = False,
         rounds: int = BENCH_ROUNDS) -> dict:
     """backward: time forward + backward (bench_training) instead of the forward. rounds: how
-    many rotating rounds each implementation is timed in (energy_rounds), the best kept."""
+    many rotating rounds each implementation is timed in (energy_rounds), the best kept.
+    The JSON is rewritten after every T with "complete": false, so a run that crashes or is
+    interrupted keeps what it measured; the finished run writes "complete": true and the plot."""
     if not torch.cuda.is_available():
         raise RuntimeError("mokgen bench needs a CUDA GPU")
     peak = dense_peak_tflops()
@@ -378,20 +398,35 @@ def run(variants, tokens, json_path: Path | None, baselines, log=print, backward
     peak_e4m3 = e4m3_peak_tflops() if any(v.spec.dtype == "fp8" for v in variants) else None
     if peak_e4m3:
         log(f"dense e4m3 8192^3 = {peak_e4m3:.0f} TFLOP/s (the FP8 rows' % peak)")
-    rows = []
-    for v in variants:
-        new = bench_training(v, tokens, log, rounds=rounds) if backward \
-            else bench_variant(v, tokens, baselines, log, rounds=rounds)
-        for r in new:
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dense_peak_tflops=peak,
+                  dense_peak_tflops_e4m3=peak_e4m3, complete=False, rows=[])
+
+    def with_peaks(v, rows: list) -> list:
+        for r in rows:
             r["peak_tflops"] = peak_e4m3 if v.spec.dtype == "fp8" and r["impl"].startswith("mokgen") and peak_e4m3 \
                 else peak
-        rows += new
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dense_peak_tflops=peak,
-                  dense_peak_tflops_e4m3=peak_e4m3, rows=rows)
+        return rows
+
+    rows = []
+    if json_path:  # (an older run's file at this path is replaced at once, never mistaken for this one's)
+        save_result(json_path, result)
+    try:
+        for v in variants:
+            def checkpoint(so_far, v=v):
+                if json_path:
+                    save_result(json_path, dict(result, rows=rows + with_peaks(v, so_far)))
+
+            new = bench_training(v, tokens, log, rounds=rounds, on_rows=checkpoint) if backward \
+                else bench_variant(v, tokens, baselines, log, rounds=rounds, on_rows=checkpoint)
+            rows += with_peaks(v, new)
+    except BaseException as e:  # (KeyboardInterrupt too) say where the rows measured so far are
+        if json_path:
+            log(f"bench stopped ({type(e).__name__}): what it measured before is in {json_path} (complete: false)")
+        raise
+    result.update(rows=rows, complete=True)
     log(format_table(rows, peak))
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=1))
+        save_result(json_path, result)
         log(f"wrote {json_path}")
         png = plot(result, Path(json_path).with_suffix(".png"))
         if png:

@@ -360,9 +360,13 @@ def tune(variant, prepare, tokens, out):
 @spec_options
 @click.option("--variant", "variant_name", default=None, help="Bench a built variant instead of --preset/flags.")
 @click.option("--tokens", default="4096,16384", help="Comma-separated token counts.")
-@click.option("--baselines", default="torch_grouped_mm,torch_loop", help="Comma-separated baselines to run.")
+@click.option("--baselines", default="torch_grouped_mm,torch_loop",
+              help="Comma-separated forward baselines to run: torch_grouped_mm, torch_loop (--backward always runs "
+                   "torch grouped_mm with autograd).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path("bench-out/bench.json"), show_default=True)
+              default=Path("bench-out/bench.json"), show_default=True,
+              help="Where the rows go, rewritten after every T (\"complete\": false until the run ends, so a "
+                   "stopped run keeps what it measured); the plot beside it as .png.")
 @click.option("--backward", is_flag=True,
               help="Time forward + backward through autograd against torch grouped_mm with autograd.")
 @click.option("--rounds", type=click.IntRange(min=1), default=None,
@@ -376,15 +380,19 @@ def bench(spec, variant_name, tokens, baselines, json_path, backward, rounds):
     import torch
 
     from . import load
-    from .bench import BENCH_ROUNDS, run
+    from .bench import BASELINES, BENCH_ROUNDS, run
 
     toks = parse_tokens(tokens)
+    names = tuple(b.strip() for b in baselines.split(",") if b.strip())
+    unknown = [b for b in names if b not in BASELINES]
+    if unknown:
+        fail(f"--baselines: unknown {', '.join(unknown)} (choose from {', '.join(BASELINES)})")
     if not torch.cuda.is_available():
         fail("bench needs a CUDA GPU", code=1)
     v = load(_resolve_variant(variant_name)) if variant_name else load(spec)
     if backward and not v.has_backward and v.spec.dtype != "fp8":
         fail(f"{v.name}: {v.why_no_backward()}", code=1)
-    run([v], toks, json_path, tuple(b.strip() for b in baselines.split(",")), log=click.echo, backward=backward,
+    run([v], toks, json_path, names, log=click.echo, backward=backward,
         rounds=rounds or BENCH_ROUNDS)
 
 

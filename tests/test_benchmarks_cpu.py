@@ -92,6 +92,50 @@ def test_bench_rounds_rotate_and_keep_each_implementations_best_round_with_its_e
     assert best == {"a": (5.0, 1, 700.0, {"at": 1}), "b": (4.0, 3, 700.0, {"at": 3})}
 
 
+def test_bench_keeps_what_it_measured_when_a_run_stops(monkeypatch, tmp_path):
+    """mokgen bench rewrites its JSON after every T (complete: false), so a run that crashes or
+    is interrupted at a later T keeps the rows of the earlier ones; an older file at the path
+    is replaced at the start; a finished run writes complete: true."""
+    import json
+    import types
+
+    import mokgen.bench as bench
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "fake GPU")
+    monkeypatch.setattr(bench, "dense_peak_tflops", lambda: 800.0)
+    monkeypatch.setattr(bench, "plot", lambda result, path: None)
+
+    def fake_bench(variant, tokens, baselines, log, rounds, on_rows):
+        rows = []
+        for T in tokens:
+            if T == 4096:
+                raise KeyboardInterrupt
+            rows += [dict(variant=variant.name, impl=i, T=T, ms=ms, tflops=1.0, rel_err=None)
+                     for i, ms in (("mokgen", 1.0), ("torch_grouped_mm", 3.0))]
+            on_rows(bench.with_speedups(rows))
+        return bench.with_speedups(rows)
+
+    monkeypatch.setattr(bench, "bench_variant", fake_bench)
+    v = types.SimpleNamespace(name="v", spec=types.SimpleNamespace(dtype="bf16"))
+    path = tmp_path / "out" / "bench.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(dict(complete=True, rows=[dict(T=1, impl="old")])))
+    logs = []
+    with pytest.raises(KeyboardInterrupt):
+        bench.run([v], [64, 1024, 4096], path, ("torch_grouped_mm",), log=logs.append)
+    kept = json.loads(path.read_text())
+    assert kept["complete"] is False and kept["device"] == "fake GPU"
+    assert [(r["T"], r["impl"]) for r in kept["rows"]] == [(64, "mokgen"), (64, "torch_grouped_mm"),
+                                                           (1024, "mokgen"), (1024, "torch_grouped_mm")]
+    assert kept["rows"][0]["speedup_vs_grouped_mm"] == 3.0 and kept["rows"][0]["peak_tflops"] == 800.0
+    assert any("complete: false" in line and str(path) in line for line in logs)
+    assert not list(path.parent.glob("*.tmp"))
+    done = bench.run([v], [64, 256], path, ("torch_grouped_mm",), log=logs.append)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(done)) and done["complete"] is True
+    assert [r["T"] for r in done["rows"]] == [64, 64, 256, 256]
+
+
 def test_forward_flops_count_the_routed_pairs_and_the_shared_expert():
     """TFLOP/s in `mokgen bench` and benchmarks/small_t.py come from one count: 2 x 3 x H x I per
     routed pair (gate, up, down) and 2 x 3 x H x S per token for a shared expert of size S."""

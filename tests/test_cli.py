@@ -60,6 +60,11 @@ def test_verify_refuses_an_unknown_routing_before_any_gpu_work():
     assert r.exit_code == 2 and "'zipf' is not one of uniform, skewed, dropped" in r.output
 
 
+def test_bench_refuses_an_unknown_baseline_before_any_gpu_work():
+    r = CliRunner().invoke(main, ["bench", "--baselines", "torch_grouped_mm,megablocks"])
+    assert r.exit_code == 2 and "unknown megablocks (choose from torch_grouped_mm, torch_loop)" in r.output
+
+
 def test_verify_of_an_expert_parallel_variant_runs_a_process_per_rank(monkeypatch, tmp_path):
     """mokgen.verify_ranks under torchrun, a rank per GPU, or every rank on GPU 0 where there are
     fewer GPUs than ranks (told to the user); its exit code is verify's."""
