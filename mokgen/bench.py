@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .files import write_text_atomic
 from .module import experts_torch, torch_grouped_mm, torch_shared_expert
 from .reference import moe_reference, rel_error
 from .verify import make_inputs
@@ -375,13 +376,8 @@ def format_table(rows: list[dict], peak: float) -> str:
 
 
 def save_result(json_path: Path, result: dict) -> None:
-    """The result as JSON at json_path, written whole or not at all (a temporary file in the
-    same folder, then one rename), so a reader never sees half a file."""
-    json_path = Path(json_path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = json_path.with_name(json_path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(json_path)
+    """The result as JSON at json_path, written whole or not at all."""
+    write_text_atomic(json_path, json.dumps(result, indent=1))
 
 
 def run(variants, tokens, json_path: Path | None, baselines, log=print, backward: bool = False,

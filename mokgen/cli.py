@@ -331,7 +331,9 @@ def _verify_ranks(path: Path, world: int, tokens: str, routing: str, forward_onl
 @click.option("--prepare", is_flag=True, help="Build the candidates (needs nvidia-cutlass-dsl, no GPU).")
 @click.option("--tokens", default="4096,16384", help="Comma-separated token counts to time (GPU step).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None)
-def tune(variant, prepare, tokens, out):
+@click.option("--fresh", is_flag=True,
+              help="Time every candidate again (by default a stopped run resumes after the candidates it timed).")
+def tune(variant, prepare, tokens, out, fresh):
     """Autotune a variant: --prepare builds candidate Plans, then (on the GPU) time them
     and record the winner; the next `mokgen build` applies it."""
     from .codegen import default_out
@@ -351,7 +353,7 @@ def tune(variant, prepare, tokens, out):
     if not torch.cuda.is_available():
         fail("tuning needs a CUDA GPU (use --prepare to build the candidates here)", code=1)
     try:
-        do_run(spec, out, toks, log=click.echo)
+        do_run(spec, out, toks, log=click.echo, fresh=fresh)
     except FileNotFoundError as e:
         fail(str(e), code=1)
 

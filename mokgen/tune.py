@@ -10,6 +10,9 @@ candidates, each a full variant under <out>/tuning/<variant>/c<i>/). The record,
 <out>/tuning/<variant>.json, holds every candidate's times, the device and the
 winner: the same record always gives the same Plan, so a tuned build is reproducible.
 Each candidate runs in its own process and must pass the golden check before it may win.
+The candidates timed so far are kept in <out>/tuning/<variant>/progress.json after each one,
+so a run that is stopped resumes where it was (on the same GPU, the same T and candidates;
+`mokgen tune --fresh` times them all again).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import json
 import math
 from pathlib import Path
 
+from .files import write_text_atomic
 from .ir import MoESpec
 from .schedule import make_plan
 from .schedule.records import PlanError
@@ -31,6 +35,28 @@ def tuning_dir(out: Path, variant: str) -> Path:
 
 def record_path(out: Path, variant: str) -> Path:
     return Path(out) / "tuning" / f"{variant}.json"
+
+
+def progress_path(out: Path, variant: str) -> Path:
+    return tuning_dir(out, variant) / "progress.json"
+
+
+def resumable(out: Path, variant: str, device: str, tokens: list[int], cands: list[dict], log=print) -> list[dict]:
+    """The entries of an earlier, stopped run that this one may keep: its leading candidates,
+    where it timed the same candidates at the same T on a GPU of the same name; [] otherwise."""
+    path = progress_path(out, variant)
+    if not path.exists():
+        return []
+    try:
+        prog = json.loads(path.read_text())
+        same = (prog["device"], prog["tokens"], prog["candidates"]) == (device, tokens, cands)
+        done = prog["results"] if same else []
+    except (ValueError, KeyError, TypeError):
+        log(f"{path}: unreadable, ignored (the candidates are timed again)")
+        return []
+    if not same:
+        log(f"{path}: from another GPU, T or candidate list; the candidates are timed again")
+    return done[:len(cands)]
 
 
 def candidates(spec: MoESpec) -> list[dict]:
@@ -79,7 +105,8 @@ def prepare(spec: MoESpec, out: Path, log=print) -> list[Path]:
     for i, ov in enumerate(cands):
         log(f"[{i + 1}/{len(cands)}] candidate c{i}: {ov or 'default plan'}")
         dirs.append(build(spec, tuning_dir(out, spec.variant) / f"c{i}", overrides=ov, log=lambda m: None))
-    (tuning_dir(out, spec.variant) / "candidates.json").write_text(json.dumps(cands, indent=1))
+    progress_path(out, spec.variant).unlink(missing_ok=True)  # (timings of the builds these replaced)
+    write_text_atomic(tuning_dir(out, spec.variant) / "candidates.json", json.dumps(cands, indent=1))
     return dirs
 
 
@@ -106,8 +133,9 @@ def measure(variant_dir: Path, tokens: list[int]) -> dict:
     return dict(ms=ms, rel_err=err, gpu_state=state)
 
 
-def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int = 300) -> dict:
-    """Time every prepared candidate on this GPU; write and return the record.
+def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int = 300, fresh: bool = False) -> dict:
+    """Time every prepared candidate on this GPU; write and return the record. Candidates an
+    earlier, stopped run timed here are kept (resumable) unless fresh.
 
     Each candidate runs in its own process with a time limit, so one that fails (a
     kernel that traps leaves its CUDA context unusable) or hangs cannot take the
@@ -126,8 +154,12 @@ def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int =
         raise FileNotFoundError(f"no prepared candidates in {root}: run `mokgen tune {spec.variant} --prepare` "
                                 "where nvidia-cutlass-dsl is installed")
     cands = json.loads(listing.read_text())
-    results = []
-    for i, ov in enumerate(cands):
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    results = [] if fresh else resumable(out, spec.variant, device, tokens, cands, log)
+    for i, entry in enumerate(results):
+        log(f"[{i + 1}/{len(cands)}] {entry['overrides'] or 'default plan'}: timed before, kept "
+            f"({progress_path(out, spec.variant)})")
+    for i, ov in enumerate(cands[len(results):], start=len(results)):
         cmd = [sys.executable, "-m", "mokgen.tune", str(root / f"c{i}" / spec.variant), ",".join(map(str, tokens))]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -141,6 +173,8 @@ def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int =
         if "ms" in res:
             entry["score_ms"] = math.exp(sum(math.log(t) for t in res["ms"].values()) / len(res["ms"]))
         results.append(entry)
+        write_text_atomic(progress_path(out, spec.variant),
+                          json.dumps(dict(device=device, tokens=tokens, candidates=cands, results=results), indent=1))
         what = ", ".join(f"T={T} {t:.3f} ms" for T, t in res.get("ms", {}).items())
         log(f"[{i + 1}/{len(cands)}] {ov or 'default plan'}: {what or 'FAILED: ' + res['error']}"
             + ("" if ok or "error" in res else f"  rel_err {res['rel_err']:.2e}: not eligible"))
@@ -149,10 +183,9 @@ def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int =
         raise RuntimeError("no candidate passed the golden check; nothing recorded")
     best = min(eligible, key=lambda r: r["score_ms"])
     record = dict(format=RECORD_FORMAT, variant=spec.variant, spec=spec.to_dict(), tokens=tokens,
-                  device=torch.cuda.get_device_name(), torch=torch.__version__, candidates=results,
-                  winner=best["overrides"])
-    path = record_path(out, spec.variant)
-    path.write_text(json.dumps(record, indent=1, sort_keys=True))
+                  device=device, torch=torch.__version__, candidates=results, winner=best["overrides"])
+    path = write_text_atomic(record_path(out, spec.variant), json.dumps(record, indent=1, sort_keys=True))
+    progress_path(out, spec.variant).unlink(missing_ok=True)
     log(f"winner: {best['overrides'] or 'default plan'} ({best['score_ms']:.3f} ms geometric mean); wrote {path}")
     return record
 
@@ -162,8 +195,11 @@ def winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
     path = record_path(out, spec.variant)
     if not path.exists():
         return None
-    rec = json.loads(path.read_text())
-    if rec.get("format") != RECORD_FORMAT or rec.get("spec") != spec.to_dict():
+    try:
+        rec = json.loads(path.read_text())
+    except ValueError as e:
+        raise PlanError(f"{path}: not a readable tuning record ({e}); delete it or run `mokgen tune` again") from None
+    if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT or rec.get("spec") != spec.to_dict():
         return None
     return rec["winner"], f"tuning/{spec.variant}.json ({rec['device']}, T={rec['tokens']})"
 

@@ -130,7 +130,7 @@ def test_bench_keeps_what_it_measured_when_a_run_stops(monkeypatch, tmp_path):
                                                            (1024, "mokgen"), (1024, "torch_grouped_mm")]
     assert kept["rows"][0]["speedup_vs_grouped_mm"] == 3.0 and kept["rows"][0]["peak_tflops"] == 800.0
     assert any("complete: false" in line and str(path) in line for line in logs)
-    assert not list(path.parent.glob("*.tmp"))
+    assert not list(path.parent.glob(".*.tmp"))
     done = bench.run([v], [64, 256], path, ("torch_grouped_mm",), log=logs.append)
     assert json.loads(path.read_text()) == json.loads(json.dumps(done)) and done["complete"] is True
     assert [r["T"] for r in done["rows"]] == [64, 64, 256, 256]

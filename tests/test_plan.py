@@ -473,6 +473,43 @@ def test_tune_survives_failing_candidates(tmp_path):
     assert len(lines) == 2 and all("FAILED" in line for line in lines)
 
 
+def test_a_stopped_tuning_run_resumes_after_the_candidates_it_timed(tmp_path):
+    """mokgen tune keeps each candidate's result in progress.json as it goes; the next run on the
+    same GPU, T and candidates keeps those and times only the rest (here the second candidate,
+    which fails: no build), then writes the record atomically and drops the progress file. A
+    progress file from other candidates is not trusted, and a torn record is a clear error."""
+    import json
+
+    from mokgen.schedule.records import PlanError
+    from mokgen.tune import progress_path, record_path, run, tuning_dir, winner
+
+    spec = PRESETS["olmoe"]
+    root = tuning_dir(tmp_path, spec.variant)
+    root.mkdir(parents=True)
+    cands = [{}, {"gemm_down.tile_n": 128}]
+    (root / "candidates.json").write_text(json.dumps(cands))
+    first = dict(overrides={}, eligible=True, ms={"64": 0.2}, rel_err=1e-3, score_ms=0.2)
+    progress_path(tmp_path, spec.variant).write_text(
+        json.dumps(dict(device="no GPU", tokens=[64], candidates=cands, results=[first])))
+    lines = []
+    record = run(spec, tmp_path, [64], log=lines.append, timeout_s=120)
+    assert "timed before, kept" in lines[0] and "FAILED" in lines[1]
+    assert record["winner"] == {} and record["candidates"][0] == first and not record["candidates"][1]["eligible"]
+    assert not progress_path(tmp_path, spec.variant).exists()
+    assert json.loads(record_path(tmp_path, spec.variant).read_text())["winner"] == {}
+    assert not list(record_path(tmp_path, spec.variant).parent.glob(".*.tmp"))
+    # other candidates than the progress file's: every one timed again (both fail here)
+    progress_path(tmp_path, spec.variant).write_text(
+        json.dumps(dict(device="no GPU", tokens=[64], candidates=[{}], results=[first])))
+    lines = []
+    with pytest.raises(RuntimeError, match="no candidate passed"):
+        run(spec, tmp_path, [64], log=lines.append, timeout_s=120)
+    assert "timed again" in lines[0] and sum("FAILED" in line for line in lines) == 2
+    record_path(tmp_path, spec.variant).write_text('{"format": 1, "spec"')
+    with pytest.raises(PlanError, match="not a readable tuning record"):
+        winner(tmp_path, spec)
+
+
 @pytest.mark.parametrize("spec", [PRESETS["olmoe"], MoESpec(experts=16, topk=4, hidden=1024, intermediate=512,
                                                             shared_intermediate=768)], ids=lambda s: s.variant)
 def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import __version__
+from ..files import write_text_atomic
 from ..ir import MoESpec
 from ..schedule import Plan, make_plan
 from .render import render, write_tree
@@ -217,9 +218,7 @@ def build_multinode(spec: MoESpec, out: Path, *, jobs=None, force=False, compile
     final.mkdir(parents=True, exist_ok=True)
     text = json.dumps(dict(spec=spec.to_dict(), hierarchy=hierarchy(spec), node_local=str(local.name)), indent=1,
                       sort_keys=True)
-    tmp = final / f".hierarchy-{os.getpid()}.json"
-    tmp.write_text(text)
-    os.replace(tmp, final / "hierarchy.json")  # (one rename: never half written)
+    write_text_atomic(final / "hierarchy.json", text)
     log(f"{spec.variant}: {spec.nodes} nodes x {spec.gpus_per_node} GPU(s); node-local layer {local.name}")
     return final
 
@@ -241,9 +240,7 @@ def build(spec: MoESpec, out: Path | None = None, *, jobs: int | None = None, fo
             log(f"{plan.variant}: up to date ({final})")
             return final
         if not force and compile and only_notes_differ(final, files):
-            part = final / f".manifest-{os.getpid()}.json"  # (replaced whole: a crash leaves the old one)
-            part.write_text(files["manifest.json"])
-            os.replace(part, final / "manifest.json")
+            write_text_atomic(final / "manifest.json", files["manifest.json"])  # (a crash leaves the old one)
             log(f"{plan.variant}: up to date, its manifest's Plan rewritten ({final})")
             return final
         if not compile and not force and (final / "manifest.json").exists() and \
