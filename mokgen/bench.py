@@ -220,7 +220,8 @@ def bench_variant(variant, tokens: list[int], baselines=BASELINES, log=print,
     per-expert loop, seconds a call, once). on_rows(rows so far) after each T."""
     spec = variant.spec
     rows = []
-    for T in tokens:
+    for i, T in enumerate(tokens):
+        log(f"[{i + 1}/{len(tokens)}] {variant.name} T={T}: checking, then timing in {rounds} round(s)")
         gen = torch.Generator(device="cuda").manual_seed(1234 + T)
         x, ids, w, wg, wu, wd, (sg, su, sd) = make_inputs(spec, T, routing, gen)
         flops = forward_flops(spec, T)
@@ -283,7 +284,9 @@ def bench_training(variant, tokens: list[int], log=print, routing: str = "unifor
 
     spec = variant.spec
     rows = []
-    for T in tokens:
+    for i, T in enumerate(tokens):
+        log(f"[{i + 1}/{len(tokens)}] {variant.name} T={T} forward + backward: checking, then timing in {rounds} "
+            "round(s)")
         gen = torch.Generator(device="cuda").manual_seed(4321 + T)
         x, ids, w, wg, wu, wd, shared = make_inputs(spec, T, routing, gen)
         shared = shared if shared[0] is not None else ()
