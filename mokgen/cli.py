@@ -126,7 +126,8 @@ def build(spec, out, jobs, force, no_compile, manifest, profile, comm_sms):
 
 
 @main.command("list")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Variants directory (default: $MOKGEN_HOME or the source tree's generated/).")
 def list_(out):
     """Variants on disk and whether they are compiled."""
     from .codegen import default_out, is_built
@@ -213,7 +214,9 @@ def show(variant, as_json, png, png_tokens):
 @click.option("--tokens", type=int, default=4096, show_default=True,
               help="Token count T of the profiled forward; it runs the path the Plan takes at this T (at small T "
                    "the single launch, whose dispatch and combine phases are tasks too).")
-@click.option("--routing", type=click.Choice(["uniform", "skewed"]), default="uniform", show_default=True)
+@click.option("--routing", type=click.Choice(["uniform", "skewed"]), default="uniform", show_default=True,
+              help="The routing drawn for the profiled call: uniform, or skewed (half of the experts empty, one "
+                   "expert in every token).")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=Path("profile.png"), show_default=True,
               help="Where to draw the per-SM timeline.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -330,7 +333,9 @@ def _verify_ranks(path: Path, world: int, tokens: str, routing: str, forward_onl
 @click.argument("variant")
 @click.option("--prepare", is_flag=True, help="Build the candidates (needs nvidia-cutlass-dsl, no GPU).")
 @click.option("--tokens", default="4096,16384", help="Comma-separated token counts to time (GPU step).")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Variants directory, whose tuning/ holds the candidates and the record (default: $MOKGEN_HOME "
+                   "or the source tree's generated/).")
 @click.option("--fresh", is_flag=True,
               help="Time every candidate again (by default a stopped run resumes after the candidates it timed).")
 def tune(variant, prepare, tokens, out, fresh):

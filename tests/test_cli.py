@@ -146,3 +146,12 @@ def test_a_rank_out_of_gpu_memory_in_verify_says_what_to_pass(monkeypatch, tmp_p
         verify_ranks.main([str(tmp_path / v.name), "--tokens", "4096", "--share-gpu"])
     assert str(e.value) == (f"{v.name} rank 3: out of GPU memory at T=4096 tokens per rank with all 8 ranks' "
                             "workspaces on one GPU: pass fewer --tokens")
+
+
+def test_every_command_and_option_has_help_text():
+    """`mokgen CMD --help` explains every flag: a new option without help fails here."""
+    for name, cmd in main.commands.items():
+        assert cmd.help, name
+        for p in cmd.params:
+            if p.param_type_name == "option":
+                assert p.help, (name, p.opts)
