@@ -49,14 +49,13 @@ def resumable(out: Path, variant: str, device: str, tokens: list[int], cands: li
         return []
     try:
         prog = json.loads(path.read_text())
-        same = (prog["device"], prog["tokens"], prog["candidates"]) == (device, tokens, cands)
-        done = prog["results"] if same else []
+        if (prog["device"], prog["tokens"], prog["candidates"]) == (device, tokens, cands):
+            return prog["results"]
     except (ValueError, KeyError, TypeError):
         log(f"{path}: unreadable, ignored (the candidates are timed again)")
         return []
-    if not same:
-        log(f"{path}: from another GPU, T or candidate list; the candidates are timed again")
-    return done[:len(cands)]
+    log(f"{path}: from another GPU, T or candidate list; the candidates are timed again")
+    return []
 
 
 def candidates(spec: MoESpec) -> list[dict]:
