@@ -73,7 +73,8 @@ def test_gemm_sass_uses_hgmma_without_local_memory(built, spec):
 def test_swapped_tiles_put_the_token_rows_on_the_wgmma_n(built):
     """The single launch's bands by T run swapped tiles: the wgmma's N is the band's token rows
     (HGMMA.64x<rows>), the weights its M, and the epilogue stores C transposed (stmatrix .trans);
-    the 16- and 32-row bands read K blocks of 128 (16 wgmma per stage, two accumulators)."""
+    the 16- and 32-row bands read K blocks of 128 (16 wgmma per stage, two accumulators); their
+    combine discards the L2 lines it read last, the plain launch's does not."""
     tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed")
@@ -99,6 +100,10 @@ def test_swapped_tiles_put_the_token_rows_on_the_wgmma_n(built):
         assert k["params"]["rows_evict_last"] and f"{L2_EVICT_LAST};" in ptx, k["name"]
         stores = [line for line in ptx.splitlines() if "cp.async.bulk.tensor" in line and ".global.shared::cta" in line]
         assert stores and all("L2::cache_hint" in line for line in stores), k["name"]
+        # The early combine drops the y and h lines it read last (discard.global.L2, CCTL.E.RML2 in SASS).
+        assert k["params"]["discard_consumed"] and "discard.global.L2" in ptx and "CCTL.E.RML2" in sass, k["name"]
+    plain = (path / "build" / "gemm_fused.ptx").read_text()
+    assert "discard.global.L2" not in plain  # (the plain 128-row launch keeps its lines: measured slower)
 
 
 def test_single_launch_routes_and_dispatches_inside(built):

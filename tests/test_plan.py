@@ -373,6 +373,26 @@ def test_swapped_tiles_rows_evict_last():
         make_plan(spec, overrides={"rows_evict_last": "yes"})
 
 
+def test_discard_consumed_marks_the_swapped_tiles_early_combines():
+    """The single launch's swapped bands (and their routing twins) drop the y and h lines their
+    early combine read last; the plain 128-row launch, a layer with a shared expert (no early
+    combine) and the per-GEMM kernels do not; override discard_consumed: false turns it off."""
+    spec = PRESETS["olmoe"]
+    plan = make_plan(spec)
+    marked = {k.name for k in plan.kernels if k.params.get("discard_consumed")}
+    assert marked == {k.name for k in plan.kernels if k.params.get("combine_early") and k.params.get("swap")}
+    assert {"gemm_fused_n16", "gemm_fused_n160", "gemm_fused_n48_routed"} <= marked and "gemm_fused" not in marked
+    assert {k.params["discard_what"] for k in plan.kernels if k.name in marked} == {"all"}
+    assert any("discard.global.L2" in d for d in plan.decisions)
+    assert not any(k.params.get("discard_consumed") for k in make_plan(spec, overrides={"discard_consumed": False}).kernels)
+    shared = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
+    assert not any(k.params.get("discard_consumed") for k in make_plan(shared).kernels)
+    with pytest.raises(PlanError):
+        make_plan(spec, overrides={"discard_consumed": 1})
+    with pytest.raises(PlanError):
+        make_plan(spec, overrides={"discard_what": "some"})
+
+
 def test_weight_pairs_where_two_k_blocks_fit():
     """Weight pairs (the TMA thread loads two 64-wide K blocks' weights together) go to the swapped
     tiles of 64-wide K blocks whose every K is a whole number of pairs and whose stages leave one

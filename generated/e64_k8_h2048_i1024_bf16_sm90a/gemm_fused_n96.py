@@ -63,6 +63,8 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 TILE_MNK = (96, 128, 64)
 # Swapped: the accumulators hold C^T, a (weight rows, token rows) tile of C's transposed view.
@@ -296,6 +298,52 @@ def wait_token_rows(h_ready: cute.Tensor, rows_pos: cute.Tensor, lane: cutlass.I
             all_ready = cute.arch.vote_all_sync(ready)
     cute.arch.fence_acq_rel_gpu()  # each lane's acquire covers every lane's reads of y
     return cute.arch.vote_any_sync(gave_up)
+
+
+LINE_ELEMS = 64  # bf16 elements of one 128-byte L2 line
+
+
+@dsl_user_op
+def discard_line(p: cute.Pointer, *, loc=None, ip=None) -> None:
+    """discard.global.L2: the 128-byte line at p leaves L2 without being written back to HBM; its
+    contents are undefined until written again."""
+    llvm.inline_asm(None, [p.toint().ir_value(loc=loc, ip=ip)], "discard.global.L2 [$0], 128;", "l,~{memory}",
+                    has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
+
+
+@cute.jit
+def discard_task_rows(rows: cute.Tensor, width: cutlass.Constexpr, rows_pos: cute.Tensor, part: cutlass.Int32,
+                      parts: cutlass.Int32, lane: cutlass.Int32):
+    """(one warp, once its combine task has summed) Drop from L2 the lines of the task's part of
+    each of its K rows of `rows` (y or h, [rows, width] bf16), which no one reads again: y's
+    only reader is this task, and h's down tiles are all stored (wait_token_rows). Where the
+    parts do not split the row into whole lines, part 0 drops the whole row. The lanes' loads
+    of these lines have all returned (the caller syncs the warp first)."""
+    lines = width // LINE_ELEMS // parts
+    first = part * lines
+    if (width // LINE_ELEMS) % parts != 0:
+        lines = 0
+        first = 0
+        if part == 0:
+            lines = width // LINE_ELEMS
+    for k in cutlass.range_constexpr(TOPK):
+        if rows_pos[k] >= 0:
+            for j in cutlass.range(lane, lines, 32, unroll=1):
+                discard_line(rows.iterator + rows_pos[k] * width + (first + j) * LINE_ELEMS)
+
+
+@cute.jit
+def discard_padding_rows(y: cute.Tensor, h_rows: cute.Tensor, row_token: cute.Tensor, m: cutlass.Int32,
+                         lane: cutlass.Int32):
+    """(one warp, once M tile m's down tiles are all stored) Drop from L2 the y and h lines of the
+    tile's padding rows (row_token -1): their h was read by the down tiles only, and their y by
+    no one. A lane takes every 32nd row of the tile."""
+    for r in cutlass.range(m * TILE_MNK[0] + lane, (m + 1) * TILE_MNK[0], 32, unroll=1):
+        if row_token[r] < 0:
+            for j in cutlass.range(N2_SIZE // LINE_ELEMS, unroll=1):
+                discard_line(y.iterator + r * N2_SIZE + j * LINE_ELEMS)
+            for j in cutlass.range(N_SIZE // LINE_ELEMS, unroll=1):
+                discard_line(h_rows.iterator + r * N_SIZE + j * LINE_ELEMS)
 
 
 
@@ -921,7 +969,7 @@ class GemmFusedN96:
             tile_expert,
             tile_counter,
             tma_a2, tma_mA2, tma_d, tma_mD, tma_c2, tma_mC2, h_ready,
-            ids, weights, pos, c2, out,
+            ids, weights, pos, c2, c, out,
             # flat (T*K) views of the routing for the dispatch phase
             cute.make_tensor(ids.iterator, cute.make_layout(ids.shape[0] * D_TOPK)),
             cute.make_tensor(pos.iterator, cute.make_layout(pos.shape[0] * D_TOPK)),
@@ -957,6 +1005,7 @@ class GemmFusedN96:
         weights: cute.Tensor,
         pos: cute.Tensor,
         y: cute.Tensor,
+        h_rows: cute.Tensor,  # h as rows (the combine drops the lines it read last)
         out: cute.Tensor,
         ids_flat: cute.Tensor,
         pos_flat: cute.Tensor,
@@ -1381,6 +1430,17 @@ class GemmFusedN96:
             part_vecs = N2_SIZE // VEC // parts  # 16-byte pieces (VEC elements) of a part
             tasks = combine_rows * parts
             task = claim_task(tile_counter.iterator + COMBINE_SLOT, lane)
+            # The first tasks are the used M tiles, in order: once one's down tiles are stored, its
+            # padding rows' y and h lines (which the token tasks never read) leave L2 unwritten.
+            pad_tasks = m_tiles_total
+            if dispatch_failed:
+                pad_tasks = 0
+            while task < pad_tasks:
+                failed = wait_count_bounded(h_ready.iterator + task, DOWN_STORED, status, failed, SITE_COMBINE)
+                if not failed:
+                    discard_padding_rows(y, h_rows, row_token, task, lane)
+                task = claim_task(tile_counter.iterator + COMBINE_SLOT, lane)
+            task = task - pad_tasks
             while task < tasks:
                 t = task // parts
                 part = task % parts
@@ -1404,7 +1464,12 @@ class GemmFusedN96:
                                         cutlass.Float32(0.0))
                         acc.store(acc.load() + yk * rows_w[k])  # a skipped row: + 0 * 0 (its weight is 0)
                     cute.local_tile(out, (1, VEC), (t, col)).store(acc.load().to(cutlass.BFloat16))
-                task = claim_task(tile_counter.iterator + COMBINE_SLOT, lane)
+                # This task read its rows' y part last, and their h part is read by no tile left.
+                cute.arch.sync_warp()  # every lane's loads of these lines have returned
+                if not failed:
+                    discard_task_rows(y, N2_SIZE, rows_pos, part, parts, lane)
+                    discard_task_rows(h_rows, N_SIZE, rows_pos, part, parts, lane)
+                task = claim_task(tile_counter.iterator + COMBINE_SLOT, lane) - pad_tasks
         # The call's error code (0: none) to the runtime's pinned host word, which the device
         # addresses directly: once every thread of this CTA is done (none records an error
         # after this), thread 0 counts the CTA (acq_rel), and the launch's last CTA copies a

@@ -521,13 +521,15 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 # reaches, debug_break_dispatch its CTAs wait for one expert more than there are,
 # debug_break_combine its early combine for one down tile more than an M tile has (tests check
 # that a broken dependency ends in a clear error, not a hang).
+# discard_what ("all", "rows" or "padding") limits the combine's discards (discard_consumed) to the
+# token rows' lines or to the padding rows' (to measure each part).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|debug_break_dispatch"
                            r"|debug_break_combine"
                            r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
-                           r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status"
+                           r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status|discard_consumed|discard_what"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|(gemm_gateup|bwd_dgrad_down)\.gather_lag|gemm_fused\.wave_lag")
@@ -544,9 +546,13 @@ def check_overrides(overrides: dict) -> None:
                    "fuse_gemms", "dispatch_chunked",
                    "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch",
                    "fused_small", "launch_local_count", "launch_chunked", "weights_evict_first",
-                   "rows_evict_last", "weight_pairs", "combine_early", "mirror_status"):
+                   "rows_evict_last", "weight_pairs", "combine_early", "mirror_status", "discard_consumed"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
+            continue
+        if key == "discard_what":
+            if value not in ("all", "rows", "padding"):
+                raise PlanError(f"discard_what must be 'all', 'rows' or 'padding', got {value!r}")
             continue
         if key == "swap_rows":
             if not isinstance(value, list) or any(isinstance(n, bool) or not isinstance(n, int) or n % SWAP_ROW_STEP
