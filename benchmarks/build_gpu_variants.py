@@ -93,6 +93,14 @@ for spec in (spec_of(SHAPES[0]), MoESpec(experts=40, topk=6, hidden=1536, interm
              MoESpec(experts=128, topk=8, hidden=2048, intermediate=768)):
     build(spec, default_out() / "experiments" / "late", overrides={"combine_early": False, "mirror_status": False},
           force=force, log=lambda m: None)
+# The swapped tiles' combine without its L2 discards (discard_consumed false), and with each part alone:
+# compare_experiment.py nodiscard,discard_rows,discard_pad.
+e40 = MoESpec(experts=40, topk=6, hidden=1536, intermediate=640)
+for name, overrides, layers in (("nodiscard", {"discard_consumed": False}, (spec_of(SHAPES[0]), e40)),
+                                ("discard_rows", {"discard_what": "rows"}, (spec_of(SHAPES[0]),)),
+                                ("discard_pad", {"discard_what": "padding"}, (spec_of(SHAPES[0]),))):
+    for spec in layers:
+        build(spec, default_out() / "experiments" / name, overrides=overrides, force=force, log=lambda m: None)
 print(f"[{len(specs) + len(ep_specs) + 1}/{len(specs) + len(ep_specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)
 for name, (overrides, *_) in BROKEN_BUILDS.items():
     build(spec_of(SHAPES[0]), deadlock_dir(name), overrides=overrides, force=force, log=lambda m: None)

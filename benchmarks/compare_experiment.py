@@ -10,9 +10,11 @@ the median over rounds of the two builds' ratio within a round.
                                             [--rounds R] [--eager] [--json PATH]
 
 NAME is fused, cluster2, per_expert, multi, apart, wave, nosmall (the Plan without the single
-launch's bands by T: its plain 128-row tiles at every T), nopairs (without weight pairs) or late (the
-single launch's combine after every down tile and a status_mirror launch behind it), or any other directory under
-generated/experiments; several names, comma-separated, are timed side by side in the same rounds, each against the default build.
+launch's bands by T: its plain 128-row tiles at every T), nopairs (without weight pairs), late (the
+single launch's combine after every down tile and a status_mirror launch behind it), nodiscard (the
+bands' combine without its L2 discards; discard_rows and discard_pad: one part of them each), or
+any other directory under generated/experiments; several names, comma-separated, are timed side by
+side in the same rounds, each against the default build.
 V defaults to the OLMoE layer. --eager also times the builds called directly (launch overhead
 included).
 """
