@@ -317,8 +317,9 @@ def discard_task_rows(rows: cute.Tensor, width: cutlass.Constexpr, rows_pos: cut
     """(one warp, once its combine task has summed) Drop from L2 the lines of the task's part of
     each of its K rows of `rows` (y or h, [rows, width] bf16), which no one reads again: y's
     only reader is this task, and h's down tiles are all stored (wait_token_rows). Where the
-    parts do not split the row into whole lines, part 0 drops the whole row. The lanes' loads
-    of these lines have all returned (the caller syncs the warp first)."""
+    parts do not split the row into whole lines, part 0 drops the whole row: only h's rows can
+    be split so (a part is a multiple of 32 x VEC elements of y's row), and no task reads h.
+    The lanes' loads of these lines have all returned (the caller syncs the warp first)."""
     lines = width // LINE_ELEMS // parts
     first = part * lines
     if (width // LINE_ELEMS) % parts != 0:
