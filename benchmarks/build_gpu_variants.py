@@ -93,12 +93,15 @@ for spec in (spec_of(SHAPES[0]), MoESpec(experts=40, topk=6, hidden=1536, interm
              MoESpec(experts=128, topk=8, hidden=2048, intermediate=768)):
     build(spec, default_out() / "experiments" / "late", overrides={"combine_early": False, "mirror_status": False},
           force=force, log=lambda m: None)
-# The swapped tiles' combine without its L2 discards (discard_consumed false), and with each part alone:
-# compare_experiment.py nodiscard,discard_rows,discard_pad.
+# The swapped tiles' combine without its L2 discards (discard_consumed false), with each part of the
+# combine's alone, and with h's lines dropped by the combine in every band (by default the bands of 96
+# rows and more have the M tile's last down tile drop them): compare_experiment.py nodiscard,discard_rows,
+# discard_pad,h_by_combine.
 e40 = MoESpec(experts=40, topk=6, hidden=1536, intermediate=640)
 for name, overrides, layers in (("nodiscard", {"discard_consumed": False}, (spec_of(SHAPES[0]), e40)),
                                 ("discard_rows", {"discard_what": "rows"}, (spec_of(SHAPES[0]),)),
-                                ("discard_pad", {"discard_what": "padding"}, (spec_of(SHAPES[0]),))):
+                                ("discard_pad", {"discard_what": "padding"}, (spec_of(SHAPES[0]),)),
+                                ("h_by_combine", {"discard_h_early": False}, (spec_of(SHAPES[0]), e40))):
     for spec in layers:
         build(spec, default_out() / "experiments" / name, overrides=overrides, force=force, log=lambda m: None)
 print(f"[{len(specs) + len(ep_specs) + 1}/{len(specs) + len(ep_specs) + 1}] debug variants with an injected deadlock or broken dependency; profiling builds", flush=True)

@@ -374,8 +374,8 @@ def test_swapped_tiles_rows_evict_last():
 
 
 def test_discard_consumed_marks_the_swapped_tiles_early_combines():
-    """The single launch's swapped bands (and their routing twins) drop the y and h lines their
-    early combine read last; the plain 128-row launch, a layer with a shared expert (no early
+    """The single launch's swapped bands (and their routing twins) drop the y lines their early
+    combine read last, and h's (in the larger bands as soon as an M tile's down tiles are stored); the plain 128-row launch, a layer with a shared expert (no early
     combine) and the per-GEMM kernels do not; override discard_consumed: false turns it off."""
     spec = PRESETS["olmoe"]
     plan = make_plan(spec)
@@ -383,6 +383,15 @@ def test_discard_consumed_marks_the_swapped_tiles_early_combines():
     assert marked == {k.name for k in plan.kernels if k.params.get("combine_early") and k.params.get("swap")}
     assert {"gemm_fused_n16", "gemm_fused_n160", "gemm_fused_n48_routed"} <= marked and "gemm_fused" not in marked
     assert {k.params["discard_what"] for k in plan.kernels if k.name in marked} == {"all"}
+    # h's lines by the M tile's last down tile in the bands of 96 rows and more, by the combine in
+    # the smaller; discard_h_early: true or false decides for every band.
+    early = {k.name for k in plan.kernels if k.params.get("discard_h_early")}
+    assert early == {k.name for k in plan.kernels if k.name in marked and k.params["tile_m"] >= 96}
+    assert {"gemm_fused_n96", "gemm_fused_n160_routed"} <= early and "gemm_fused_n80" not in early
+    for value in (True, False):
+        forced = make_plan(spec, overrides={"discard_h_early": value})
+        assert {k.name for k in forced.kernels if k.params.get("discard_h_early")} == (marked if value else set())
+        assert {k.name for k in forced.kernels if k.params.get("discard_consumed")} == marked
     assert any("discard.global.L2" in d for d in plan.decisions)
     assert not any(k.params.get("discard_consumed") for k in make_plan(spec, overrides={"discard_consumed": False}).kernels)
     shared = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
@@ -391,6 +400,8 @@ def test_discard_consumed_marks_the_swapped_tiles_early_combines():
         make_plan(spec, overrides={"discard_consumed": 1})
     with pytest.raises(PlanError):
         make_plan(spec, overrides={"discard_what": "some"})
+    with pytest.raises(PlanError):
+        make_plan(spec, overrides={"discard_h_early": "yes"})
 
 
 def test_weight_pairs_where_two_k_blocks_fit():

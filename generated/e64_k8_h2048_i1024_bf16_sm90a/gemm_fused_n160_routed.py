@@ -300,14 +300,15 @@ def wait_token_rows(h_ready: cute.Tensor, rows_pos: cute.Tensor, lane: cutlass.I
     return cute.arch.vote_any_sync(gave_up)
 
 
-LINE_ELEMS = 64  # bf16 elements of one 128-byte L2 line
+L2_LINE_BYTES = 128  # what one discard.global.L2 drops (the only size PTX allows)
+LINE_ELEMS = L2_LINE_BYTES // 2  # bf16 elements of one line
 
 
 @dsl_user_op
 def discard_line(p: cute.Pointer, *, loc=None, ip=None) -> None:
     """discard.global.L2: the 128-byte line at p leaves L2 without being written back to HBM; its
     contents are undefined until written again."""
-    llvm.inline_asm(None, [p.toint().ir_value(loc=loc, ip=ip)], "discard.global.L2 [$0], 128;", "l,~{memory}",
+    llvm.inline_asm(None, [p.toint().ir_value(loc=loc, ip=ip)], f"discard.global.L2 [$0], {L2_LINE_BYTES};", "l,~{memory}",
                     has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
 
 
@@ -343,8 +344,16 @@ def discard_padding_rows(y: cute.Tensor, h_rows: cute.Tensor, row_token: cute.Te
         if row_token[r] < 0:
             for j in cutlass.range(N2_SIZE // LINE_ELEMS, unroll=1):
                 discard_line(y.iterator + r * N2_SIZE + j * LINE_ELEMS)
-            for j in cutlass.range(N_SIZE // LINE_ELEMS, unroll=1):
-                discard_line(h_rows.iterator + r * N_SIZE + j * LINE_ELEMS)
+
+
+@cute.jit
+def discard_tile_h(h_rows: cute.Tensor, m: cutlass.Int32, lane: cutlass.Int32):
+    """(the store warp of M tile m's last stored down tile) Drop from L2 the tile's h lines, token
+    and padding rows alike: the tile's down tiles were h's only readers, and each of them had
+    used its h loads before it counted itself. The tile's rows are contiguous in h."""
+    base = m * TILE_MNK[0] * N_SIZE
+    for i in cutlass.range(lane, TILE_MNK[0] * N_SIZE // LINE_ELEMS, 32, unroll=1):
+        discard_line(h_rows.iterator + base + i * LINE_ELEMS)
 
 
 
@@ -1484,14 +1493,21 @@ class GemmFusedN160Routed:
                             store_pipeline.producer_acquire()
                         epi_barrier.arrive_and_wait()
                     epi_count = epi_count + epi_tiles
-                    # Count this down tile for the combine of its M tile's rows: the tile's TMA stores are complete in global memory
-                    # before the release increment that tiles waiting on it acquire.
+                    # Count this down tile for the combine of its M tile's rows: the tile's TMA stores
+                    # are complete in global memory before the release increment the combine acquires.
+                    # The M tile's last down tile (acquiring the others' counts: their h loads were
+                    # used) drops the tile's h lines from L2 at once.
                     if store_warp:
                         cute.arch.cp_async_bulk_wait_group(0)
                         cute.arch.fence_proxy("async.global")
                         cute.arch.sync_warp()
+                        counted = cutlass.Int32(0)
                         if cute.arch.lane_idx() == 0:
-                            cute.arch.atomic_add(h_ready.iterator + m_tile, cutlass.Int32(1), sem="release", scope="gpu")
+                            counted = cute.arch.atomic_add(h_ready.iterator + m_tile, cutlass.Int32(1), sem="acq_rel",
+                                                           scope="gpu")
+                        counted = cute.arch.shuffle_sync(counted, 0)
+                        if counted == N_TILES + N2_TILES - 1:
+                            discard_tile_h(h_rows, m_tile, cute.arch.lane_idx())
                 sched_i = sched_i + 1
                 tile = sched_read(sched_bar, sched_tile, sched_i, status)
             if store_warp:
@@ -1554,11 +1570,10 @@ class GemmFusedN160Routed:
                                         cutlass.Float32(0.0))
                         acc.store(acc.load() + yk * rows_w[k])  # a skipped row: + 0 * 0 (its weight is 0)
                     cute.local_tile(out, (1, VEC), (t, col)).store(acc.load().to(cutlass.BFloat16))
-                # This task read its rows' y part last, and their h part is read by no tile left.
+                # This task read its rows' y part last.
                 cute.arch.sync_warp()  # every lane's loads of these lines have returned
                 if not failed:
                     discard_task_rows(y, N2_SIZE, rows_pos, part, parts, lane)
-                    discard_task_rows(h_rows, N_SIZE, rows_pos, part, parts, lane)
                 task = claim_task(tile_counter.iterator + COMBINE_SLOT, lane) - pad_tasks
         # The call's error code (0: none) to the runtime's pinned host word, which the device
         # addresses directly: once every thread of this CTA is done (none records an error

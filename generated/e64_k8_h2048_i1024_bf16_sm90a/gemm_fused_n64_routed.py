@@ -300,14 +300,15 @@ def wait_token_rows(h_ready: cute.Tensor, rows_pos: cute.Tensor, lane: cutlass.I
     return cute.arch.vote_any_sync(gave_up)
 
 
-LINE_ELEMS = 64  # bf16 elements of one 128-byte L2 line
+L2_LINE_BYTES = 128  # what one discard.global.L2 drops (the only size PTX allows)
+LINE_ELEMS = L2_LINE_BYTES // 2  # bf16 elements of one line
 
 
 @dsl_user_op
 def discard_line(p: cute.Pointer, *, loc=None, ip=None) -> None:
     """discard.global.L2: the 128-byte line at p leaves L2 without being written back to HBM; its
     contents are undefined until written again."""
-    llvm.inline_asm(None, [p.toint().ir_value(loc=loc, ip=ip)], "discard.global.L2 [$0], 128;", "l,~{memory}",
+    llvm.inline_asm(None, [p.toint().ir_value(loc=loc, ip=ip)], f"discard.global.L2 [$0], {L2_LINE_BYTES};", "l,~{memory}",
                     has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
 
 

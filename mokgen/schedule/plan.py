@@ -522,14 +522,15 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 # debug_break_combine its early combine for one down tile more than an M tile has (tests check
 # that a broken dependency ends in a clear error, not a hang).
 # discard_what ("all", "rows" or "padding") limits the combine's discards (discard_consumed) to the
-# token rows' lines or to the padding rows' (to measure each part).
+# token rows' lines or to the padding rows' (to measure each part); discard_h_early puts h's
+# discards in every band on the M tile's last down tile (true) or on the combine (false).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|debug_break_dispatch"
                            r"|debug_break_combine"
                            r"|profile|fuse_gemms"
                            r"|cluster_m|dispatch_chunked|comm_sms|return_sms|bwd_send_sms|bwd_send_grad_sms"
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
-                           r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status|discard_consumed|discard_what"
+                           r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status|discard_consumed|discard_what|discard_h_early"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|(gemm_gateup|bwd_dgrad_down)\.gather_lag|gemm_fused\.wave_lag")
@@ -546,7 +547,8 @@ def check_overrides(overrides: dict) -> None:
                    "fuse_gemms", "dispatch_chunked",
                    "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch",
                    "fused_small", "launch_local_count", "launch_chunked", "weights_evict_first",
-                   "rows_evict_last", "weight_pairs", "combine_early", "mirror_status", "discard_consumed"):
+                   "rows_evict_last", "weight_pairs", "combine_early", "mirror_status", "discard_consumed",
+                   "discard_h_early"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue
