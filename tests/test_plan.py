@@ -375,8 +375,9 @@ def test_swapped_tiles_rows_evict_last():
 
 def test_discard_consumed_marks_the_swapped_tiles_early_combines():
     """The single launch's swapped bands (and their routing twins) drop the y lines their early
-    combine read last, and h's (in the larger bands as soon as an M tile's down tiles are stored); the plain 128-row launch, a layer with a shared expert (no early
-    combine) and the per-GEMM kernels do not; override discard_consumed: false turns it off."""
+    combine read last, and h's (in the larger bands as soon as an M tile's down tiles are stored);
+    the plain 128-row launch, a layer with a shared expert (no early combine) and the per-GEMM
+    kernels do not; override discard_consumed: false turns it off."""
     spec = PRESETS["olmoe"]
     plan = make_plan(spec)
     marked = {k.name for k in plan.kernels if k.params.get("discard_consumed")}

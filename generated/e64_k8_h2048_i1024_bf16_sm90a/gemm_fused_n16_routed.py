@@ -308,7 +308,8 @@ LINE_ELEMS = L2_LINE_BYTES // 2  # bf16 elements of one line
 def discard_line(p: cute.Pointer, *, loc=None, ip=None) -> None:
     """discard.global.L2: the 128-byte line at p leaves L2 without being written back to HBM; its
     contents are undefined until written again."""
-    llvm.inline_asm(None, [p.toint().ir_value(loc=loc, ip=ip)], f"discard.global.L2 [$0], {L2_LINE_BYTES};", "l,~{memory}",
+    llvm.inline_asm(None, [p.toint().ir_value(loc=loc, ip=ip)], f"discard.global.L2 [$0], {L2_LINE_BYTES};",
+                    "l,~{memory}",
                     has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
 
 
