@@ -394,7 +394,8 @@ def test_discard_consumed_marks_the_swapped_tiles_early_combines():
         assert {k.name for k in forced.kernels if k.params.get("discard_h_early")} == (marked if value else set())
         assert {k.name for k in forced.kernels if k.params.get("discard_consumed")} == marked
     assert any("discard.global.L2" in d for d in plan.decisions)
-    assert not any(k.params.get("discard_consumed") for k in make_plan(spec, overrides={"discard_consumed": False}).kernels)
+    off = make_plan(spec, overrides={"discard_consumed": False})
+    assert not any(k.params.get("discard_consumed") for k in off.kernels)
     shared = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
     assert not any(k.params.get("discard_consumed") for k in make_plan(shared).kernels)
     with pytest.raises(PlanError):

@@ -1016,7 +1016,7 @@ class GemmFusedN144:
         weights: cute.Tensor,
         pos: cute.Tensor,
         y: cute.Tensor,
-        h_rows: cute.Tensor,  # h as rows (the combine drops the lines it read last)
+        h_rows: cute.Tensor,  # h as rows (its lines leave L2 once read last)
         out: cute.Tensor,
         ids_flat: cute.Tensor,
         pos_flat: cute.Tensor,
@@ -1405,19 +1405,18 @@ class GemmFusedN144:
                             store_pipeline.producer_acquire()
                         epi_barrier.arrive_and_wait()
                     epi_count = epi_count + epi_tiles
-                    # Count this down tile for the combine of its M tile's rows: the tile's TMA stores
-                    # are complete in global memory before the release increment the combine acquires.
-                    # The M tile's last down tile (acquiring the others' counts: their h loads were
-                    # used) drops the tile's h lines from L2 at once.
+                    # Count this down tile for the combine of its M tile's rows: the tile's TMA stores are complete in global memory
+                    # before the release increment that tiles waiting on it acquire.
                     if store_warp:
                         cute.arch.cp_async_bulk_wait_group(0)
                         cute.arch.fence_proxy("async.global")
                         cute.arch.sync_warp()
                         counted = cutlass.Int32(0)
                         if cute.arch.lane_idx() == 0:
-                            counted = cute.arch.atomic_add(h_ready.iterator + m_tile, cutlass.Int32(1), sem="acq_rel",
-                                                           scope="gpu")
+                            counted = cute.arch.atomic_add(h_ready.iterator + m_tile, cutlass.Int32(1), sem="acq_rel", scope="gpu")
                         counted = cute.arch.shuffle_sync(counted, 0)
+                        # The M tile's last down tile (its increment acquired the others': their h
+                        # loads were used) drops the tile's h lines from L2 at once.
                         if counted == N_TILES + N2_TILES - 1:
                             discard_tile_h(h_rows, m_tile, cute.arch.lane_idx())
                 sched_i = sched_i + 1

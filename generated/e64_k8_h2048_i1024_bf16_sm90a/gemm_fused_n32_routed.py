@@ -885,7 +885,7 @@ class GemmFusedN32Routed:
         weights: cute.Tensor,
         pos: cute.Tensor,
         y: cute.Tensor,
-        h_rows: cute.Tensor,  # h as rows (the combine drops the lines it read last)
+        h_rows: cute.Tensor,  # h as rows (its lines leave L2 once read last)
         out: cute.Tensor,
         ids_flat: cute.Tensor,
         pos_flat: cute.Tensor,

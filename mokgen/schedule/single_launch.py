@@ -326,11 +326,11 @@ COMBINE_EARLY = True
 # override discard_consumed): each token's task its rows' lines, and first one task per M tile its
 # padding rows' lines, once the tile's down tiles are stored (h's lines: see DISCARD_H_EARLY_ROWS).
 # Scratch rows nobody reads again are then never written back to HBM, where the weight stream of
-# the call or of the next one evicted them. Measured on H200 (E64 K8 H2048 I1024, CUDA graphs, 4 interleaved rounds, per-round median,
-# the same bits): 0.997x / 1.036x / 1.054x / 1.006x at T = 64 / 256 / 512 / 1024; E40 K6 H1536
-# I640 1.000x / 1.006x / 1.011x at T = 64 / 320 / 1024; on an H100 1.00x / 1.04x / 1.06x / 1.03x
-# (E64) and 1.00x / 1.05x / 1.00x (E40), each part (token rows, padding rows) paying alone. The
-# plain 128-row launch is left out: at T = 2048 it was 0.98x.
+# the call or of the next one evicted them. Measured on H200 (E64 K8 H2048 I1024, CUDA graphs, 4
+# interleaved rounds, per-round median, the same bits): 0.997x / 1.036x / 1.054x / 1.006x at T =
+# 64 / 256 / 512 / 1024; E40 K6 H1536 I640 1.000x / 1.006x / 1.011x at T = 64 / 320 / 1024; on an
+# H100 1.00x / 1.04x / 1.06x / 1.03x (E64) and 1.00x / 1.05x / 1.00x (E40), each part (token rows,
+# padding rows) paying alone. The plain 128-row launch is left out: at T = 2048 it was 0.98x.
 DISCARD_CONSUMED = True
 # Where h's lines leave L2: in bands of at least this many rows a tile, from the M tile's last down
 # tile as soon as it is stored (h's last readers are the tile's down tiles); in smaller bands from
