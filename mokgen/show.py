@@ -28,7 +28,9 @@ def format_plan(plan: dict) -> str:
         f"reduction {plan['reduction_order']}",
         "",
     ]
-    out.append("kernels (launch order: " + " -> ".join(plan["steps"]["forward"])
+    # Where a single launch serves the small calls, the per-GEMM launch order is the large calls'.
+    above = f" of calls with T > {plan['fused_max_tokens']}" if "forward_fused" in plan["steps"] else ""
+    out.append(f"kernels (launch order{above}: " + " -> ".join(plan["steps"]["forward"])
                + ("; route: " + " -> ".join(plan["steps"]["route"]) if "route" in plan["steps"] else "")
                + ("; its backward: " + " -> ".join(plan["steps"]["route_backward"])
                   if "route_backward" in plan["steps"] else "")
@@ -44,10 +46,11 @@ def format_plan(plan: dict) -> str:
                    + (" (from router logits: " + " -> ".join(plan["steps"][routed]) + ")"
                       if routed in plan["steps"] else ""))
         low = top + 1
-    if "forward_fused" in plan["steps"]:
+    bands = bool(plan.get("launch_bands"))  # (the band lines above already name every small call's launch)
+    if "forward_fused" in plan["steps"] and not bands:
         out.append(f"          calls with T <= {plan['fused_max_tokens']}: "
                    + " -> ".join(plan["steps"]["forward_fused"]))
-    if "forward_routed" in plan["steps"]:
+    if "forward_routed" in plan["steps"] and not bands:
         when = f" with T <= {plan['fused_max_tokens']}" if "forward_fused" in plan["steps"] else ""
         out.append(f"          from router logits (mokgen.moe_routed){when}: " + " -> ".join(plan["steps"]["forward_routed"]))
     for entry, what in (("forward_train", "training forward (autograd)"), ("backward", "backward"),

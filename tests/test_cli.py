@@ -30,6 +30,15 @@ def test_show_preset_without_building():
         in r.output and "gemm_fused_routed (mokgen.moe_routed) the route tasks first" in r.output
 
 
+def test_show_names_one_launch_per_token_band():
+    r = CliRunner().invoke(main, ["show", "olmoe"])
+    assert r.exit_code == 0
+    # The per-GEMM launch order is the large calls'; every small call's launch is named once, by its band.
+    assert "kernels (launch order of calls with T > 2048: dispatch_count" in r.output
+    assert "calls with 936 <= T <= 1050: gemm_fused_n160 (from router logits: gemm_fused_n160_routed)" in r.output
+    assert "calls with T <= 2048: gemm_fused\n" not in r.output and "logits (mokgen.moe_routed) with T" not in r.output
+
+
 def test_bad_flags_exit_2_with_one_line(tmp_path):
     for args in (["build", "--topk", "100"], ["build", "--hidden", "1000"], ["build", "--world-size", "3",
                  "--topology", "nvlink", "--experts", "10"], ["show", "no-such-variant"]):
