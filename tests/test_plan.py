@@ -11,7 +11,7 @@ from mokgen.ir import PRESETS, MoESpec, forward_graph
 from mokgen.schedule import H200, Plan, PlanError, choose_gemm_tiling, make_plan
 from mokgen.schedule.gemms import SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS
 from mokgen.schedule.plan import check_plan
-from mokgen.schedule.single_launch import L2_EVICT_LAST, SWAP_ROWS
+from mokgen.schedule.single_launch import L2_EVICT_LAST, SWAP_ROWS, spilled_tile
 from mokgen.schedule.tiling import SWAP_ACC_MAX
 
 SPECS = list(PRESETS.values()) + [MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
@@ -778,21 +778,23 @@ def test_cluster_plan_pairs_an_experts_m_tiles():
 def test_single_launch_tiles_by_tokens():
     """The single launch's tiles by T (launch_bands): swapped tiles of the fewest token rows that
     hold an expert's rows (mean r = T*K/E, plus SWAP_SPREAD sqrt(r)), the plain launch where its
-    128 rows do; each band a launch of its own with its routing twin, one shared tile table."""
+    128 rows do; past the largest, the swapped tile of least modelled cost that some experts spill
+    out of, while one holds r - SPILL_SPREAD sqrt(r), then the plain launch; each band a launch of
+    its own with its routing twin, one shared tile table."""
     from mokgen.runtime.variant import forward_entry, routed_entry
 
     spec = PRESETS["olmoe"]
     p = make_plan(spec)
     assert p.launch_bands == [[69, "forward_n16"], [165, "forward_n32"], [268, "forward_n48"], [375, "forward_n64"],
                               [484, "forward_n80"], [595, "forward_n96"], [707, "forward_n112"],
-                              [821, "forward_fused"], [935, "forward_n144"], [1050, "forward_n160"],
+                              [821, "forward_fused"], [935, "forward_n144"], [1300, "forward_n160"],
                               [2048, "forward_fused"]]
     plan = p.to_dict()
-    assert [forward_entry(plan, t) for t in (1, 64, 70, 165, 166, 256, 300, 512, 700, 800, 900, 1024, 1051, 2048,
-                                             2049)] == [
+    assert [forward_entry(plan, t) for t in (1, 64, 70, 165, 166, 256, 300, 512, 700, 800, 900, 1024, 1200, 1301,
+                                             2048, 2049)] == [
         "forward_n16", "forward_n16", "forward_n32", "forward_n32", "forward_n48", "forward_n48", "forward_n64",
-        "forward_n96", "forward_n112", "forward_fused", "forward_n144", "forward_n160", "forward_fused",
-        "forward_fused", "forward"]
+        "forward_n96", "forward_n112", "forward_fused", "forward_n144", "forward_n160", "forward_n160",
+        "forward_fused", "forward_fused", "forward"]
     assert routed_entry(plan, 64) == "forward_routed_n16" and routed_entry(plan, 800) == "forward_routed"
     for n in (16, 32, 48, 64, 80, 96, 112, 144, 160):
         k = p.kernel(f"gemm_fused_n{n}").params
@@ -813,7 +815,7 @@ def test_single_launch_tiles_by_tokens():
     # no more (a small call's workspace stays small).
     from mokgen.runtime.variant import forward_entry as entry
 
-    for t in (1, 64, 69, 70, 165, 166, 300, 500, 700, 900, 1000, 1050, 1051, 2048, 16384):
+    for t in (1, 64, 69, 70, 165, 166, 300, 500, 700, 900, 1000, 1050, 1051, 1300, 1301, 2048, 16384):
         band = entry(plan, t)
         n = int(band[len("forward_n"):]) if band.startswith("forward_n") else 128
         want = max((math.ceil(t * 8 / 128) + 64) * 128, (math.ceil(t * 8 / n) + 64) * n)
@@ -824,6 +826,13 @@ def test_single_launch_tiles_by_tokens():
                                 [426, "forward_n64"], [533, "forward_n80"], [640, "forward_n96"],
                                 [746, "forward_n112"], [2048, "forward_fused"]]
     assert make_plan(spec, overrides={"swap_rows": [64]}).launch_bands == [[375, "forward_n64"], [2048, "forward_fused"]]
+    # Past the largest tile, experts spill: the swapped tile the model costs least of those that hold
+    # r - SPILL_SPREAD sqrt(r) (olmoe's 160 rows up to T = 1300 above; mixtral-8x7b's up to T = 650, measured
+    # 1.40x / 1.11x the plain launch at 540 / 650); the plain launch's own band keeps it (mixtral lost there).
+    assert make_plan(PRESETS["mixtral-8x7b"]).launch_bands[-4:] == [[410, "forward_fused"], [467, "forward_n144"],
+                                                                   [650, "forward_n160"], [2048, "forward_fused"]]
+    assert spilled_tile(spec, 1350 * 8 / 64, {112, 144, 160}) is None
+    assert spilled_tile(spec, 1300 * 8 / 64, {112, 144, 160}) == 160
     # Where there are none: a shared expert, several GPUs, one forced path, dispatch kernels
     # before the launch, the wavefront experiment, the overrides.
     for s, ov in [(MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768), {}),

@@ -50,6 +50,22 @@ SWAP_SPREAD = 2.5
 # expert's mean rows (no spread), and none larger than the plain launch's (which would cut the
 # number of tiles further).
 SWAP_MIN_WAVES = 3
+# Past the largest swapped tile (no tile holds r + SWAP_SPREAD sqrt(r) rows), a swapped tile that
+# some experts' rows spill out of still beats the plain launch: a spilled expert's second M tile
+# streams its weights again, but the plain launch gives every expert two M tiles. Measured on an
+# H100 (the bands forced at each T, CUDA graphs, 4 interleaved rounds, the same bits; docs/perf.md):
+# E64 K8 H2048 I1024's 160-row tiles 1.26x / 1.24x / 1.06x the plain launch at T = 1100 / 1200 /
+# 1300 and 0.99x at 1350; E8 K2 H4096 I14336's 1.40x / 1.25x / 1.11x at T = 540 / 620 / 650. So
+# there the launch takes, of the swapped tiles that hold r - SPILL_SPREAD sqrt(r) rows (at most
+# about 58% of the experts spill), the one the tile model costs least (spilled_tile_cost). Not in
+# the plain launch's own band below the largest tile: there E64 gained 1.06x / 1.03x at T = 720 / 800
+# and E128 K8 H2048 I768 1.03x at T = 1450-1550, but E8 lost 0.92x at T = 370.
+SPILL_SPREAD = 0.2
+# The tile model (docs/perf.md, "Where a 160-row tile's time goes"; H200, E64 at T = 64-1024): an SM
+# takes a swapped tile's weight bytes from HBM at 35.6 GB/s and its token rows' bytes (gathered x
+# rows, h rows), L2 hits, at 63 GB/s, one after the other.
+TILE_WEIGHT_GBS = 35.6
+TILE_ROWS_GBS = 63.0
 # Up to this many rows per expert on average, a launch's CTAs count every expert's pairs
 # themselves (no launch-wide counter between counting and placing; docs/perf.md); above it
 # they dispatch by chunks of pairs.
@@ -63,7 +79,8 @@ def weight_starved(spec: MoESpec, sms: int) -> bool:
 
 def launch_bands(spec: MoESpec, row_tile: int, sms: int, in_launch: bool, overrides: dict) -> tuple[list, str]:
     """([(max_tokens, rows)], why): the single launch's tiles by token count, rows the swapped
-    tiles' token rows (0: the plain launch, row_tile rows), in increasing max_tokens up to
+    tiles' token rows (0: the plain launch, row_tile rows; past the largest tile, one that some
+    experts spill out of while spilled_tile finds one), in increasing max_tokens up to
     FUSED_MAX_TOKENS; [] where the Plan has only the plain launch: several GPUs, no launch that
     dispatches beside the per-GEMM path, a shared expert (its tiles are not swapped), H and I
     that SWAP_TILE_N-row weight tiles do not divide, the wavefront tile order, or override
@@ -82,7 +99,9 @@ def launch_bands(spec: MoESpec, row_tile: int, sms: int, in_launch: bool, overri
     for t in range(1, FUSED_MAX_TOKENS + 1):
         r = t * spec.topk / spec.local_experts
         need = r + spread * math.sqrt(r)
-        rows = next((n for n in sorted(sizes) if n >= need), row_tile)
+        rows = next((n for n in sorted(sizes) if n >= need), None)
+        if rows is None:  # (no tile holds the spread: the plain launch, or a tile some experts spill out of)
+            rows = (None if starved else spilled_tile(spec, r, sizes - {row_tile})) or row_tile
         rows = 0 if rows == row_tile else rows
         if bands and bands[-1][1] == rows:
             bands[-1][0] = t
@@ -92,9 +111,33 @@ def launch_bands(spec: MoESpec, row_tile: int, sms: int, in_launch: bool, overri
         return [], ""
     return [(t, n) for t, n in bands], (
         "the single launch's tiles by T (an expert's rows, mean r = T*K/E, fit one tile of n rows while "
-        f"r + {spread} sqrt(r) <= n" + ("" if spread else f": fewer than {SWAP_MIN_WAVES} gate/up tiles per SM")
+        f"r + {spread} sqrt(r) <= n" + (f"; where none does, the swapped tile of least modelled cost (weights at "
+                                        f"{TILE_WEIGHT_GBS} GB/s, token rows at {TILE_ROWS_GBS} GB/s an SM, a "
+                                        "spilled expert's second tile streaming its weights again) of those that "
+                                        f"hold r - {SPILL_SPREAD} sqrt(r)" if spread else
+                                        f": fewer than {SWAP_MIN_WAVES} gate/up tiles per SM")
         + "): " + ", ".join(
             f"T <= {t}: " + (f"swapped, {n} token rows" if n else f"plain, {row_tile} rows") for t, n in bands))
+
+
+def spilled_tile_cost(spec: MoESpec, r: float, n: int) -> float:
+    """The tile model's SM time (us) of one expert's swapped M tiles of n rows, where its routed
+    rows scatter around r (normal, sd sqrt(r)): each M tile streams the expert's weights and n
+    token rows through every gate/up tile (x rows) and down tile (h rows)."""
+    H, I = spec.hidden, spec.intermediate
+    sd = math.sqrt(r)
+    # expected M tiles: P(rows > j n) summed over j (an expert with no rows is all but impossible here)
+    tiles = sum(0.5 * math.erfc((j * n + 0.5 - r) / (sd * math.sqrt(2))) for j in range(int((r + 6 * sd) // n) + 1))
+    weights = 3 * H * I * 2 / (TILE_WEIGHT_GBS * 1e3)
+    row = (I // SWAP_TILE_N * H * 2 + H // (2 * SWAP_TILE_N) * I * 2) / (TILE_ROWS_GBS * 1e3)
+    return tiles * (weights + n * row)
+
+
+def spilled_tile(spec: MoESpec, r: float, sizes: set) -> int | None:
+    """Where no swapped tile holds an expert's rows with the spread: of the sizes that hold
+    r - SPILL_SPREAD sqrt(r) rows, the one of least modelled cost; None where none does."""
+    fit = [n for n in sorted(sizes) if n >= r - SPILL_SPREAD * math.sqrt(r)]
+    return min(fit, key=lambda n: spilled_tile_cost(spec, r, n)) if fit else None
 
 
 # The swapped tiles' weight loads are marked evict-first in L2 (override weights_evict_first:
