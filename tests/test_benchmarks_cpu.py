@@ -343,3 +343,14 @@ def test_bench_checks_gradients_against_float64_wherever_the_reference_fits(monk
     monkeypatch.setattr(mokgen.verify, "free_gpu_bytes", lambda: 4 * 2**30)
     assert reference_gradients(olmoe, 16384, "dout", ("x", "ids"), lines.append) is None
     assert len(calls) == 1 and "needs about" in lines[0] and "4.0 GiB free" in lines[0]
+
+
+def test_band_probe_sizes_a_forced_band_and_refuses_bad_tokens_before_any_gpu_work():
+    probe = bench_module("band_probe")
+    # each expert's rows padded to whole tiles: what a band forced at T must find room for
+    assert probe.tile_rows([0, 1, 160, 161], 160) == 0 + 160 + 160 + 320
+    assert probe.entry_rows("forward_n144") == 144 and probe.entry_rows("forward_fused") == 0
+    for bad in (["--tokens", "1,x"], ["--tokens", "0"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as e:
+            probe.main(bad)
+        assert e.value.code == 2, bad
