@@ -89,6 +89,37 @@ def test_cuda_graph_capture_and_replay(gen):
         assert err <= TOL
 
 
+def test_graphs_captured_after_a_dropped_one_keep_their_dispatch_counters(gen):
+    """The single launch's dispatch counters (state buffers) of a capture stream are made outside
+    the capture: a graph captured after an earlier one on the same stream was dropped, and its
+    memory handed out again, replays with the eager bits (made inside the first capture, they
+    lived in its memory pool and went with it). A first call inside a capture is refused."""
+    import mokgen
+    from mokgen.runtime import InputError, Variant
+
+    v = Variant(mokgen.load(spec_of(SHAPES[0])).path)  # (a fresh instance: no state yet)
+    x, ids, w, wg, wu, wd, _ = make_inputs(SHAPES[0], 64, "skewed", gen)
+    s = torch.cuda.Stream()
+    with pytest.raises(InputError, match="call it once outside the capture first"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=s):
+            v.forward(x, ids, w, wg, wu, wd)
+    want = v.forward(x, ids, w, wg, wu, wd)
+    s = torch.cuda.Stream()
+    for attempt in range(3):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            out = v.forward(x, ids, w, wg, wu, wd)
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), attempt
+        del g, out
+        torch.cuda.empty_cache()
+        junk = torch.full((1 << 24,), 7, dtype=torch.int32, device="cuda")  # (the freed memory, written over)
+        del junk
+    v.check_errors()
+
+
 def capture_and_replay(forward, shape, routings, gen):
     """Capture forward(x, ids, w, wg, wu, wd) once in a CUDA graph at T=1000, then replay it
     with fresh inputs of each routing copied into the captured tensors; yields each replay's

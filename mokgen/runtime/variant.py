@@ -167,6 +167,10 @@ def check_offsets(variant: str, shapes, tokens: int) -> None:
                          f"batch into calls of at most {lo} tokens")
 
 
+# State sets (the single launch's dispatch counters, a few ints each) made beside a device's first
+# stream's, for the streams whose first call is inside a CUDA graph capture (Variant._state_buffer).
+STATE_RESERVE = 4
+
 # Where carved() starts each buffer in its block: TMA and the kernels' 16-byte accesses need
 # 16 bytes; a cache line's worth costs nothing.
 CARVE_ALIGN = 256
@@ -213,6 +217,9 @@ class Variant:
         self._state_shapes = {b["name"]: (DTYPES[b["dtype"]], tuple(int(d) for d in b["shape"]))
                               for b in self.plan["buffers"] if b.get("memory") == "state"}
         self._state: dict = {}  # (name, device, stream) -> tensor
+        # device -> state sets made beside the first stream's, outside any capture, for the
+        # streams that first call inside a CUDA graph capture: _state_buffer
+        self._state_reserve: dict = {}
         # ("given" | "routed" | a training entry, device, stream) -> (T, buffers, the zero-initialised
         # ones, entry): _workspace
         self._kept: dict = {}
@@ -351,14 +358,32 @@ class Variant:
         self._kept.clear()
 
     def _state_buffer(self, name: str, device, per_call: bool = False):
+        """The state buffer `name` of the current stream. A set made inside a CUDA graph
+        capture would live in that graph's memory pool and be freed with the graph while later
+        captures on the same stream still use it; so a stream that first calls inside a capture
+        (torch's capture stream) takes one of STATE_RESERVE sets made, zeroed, beside the first
+        stream's, outside any capture."""
         if per_call:  # (zeroed, as a kept one is between calls)
             dt, shape = self._state_shapes[name]
             return torch.zeros(shape, dtype=dt, device=device)
-        key = (name, device, cuda_stream(device))
+        stream = cuda_stream(device)
+        key = (name, device, stream)
         if key not in self._state:
-            dt, shape = self._state_shapes[name]
-            self._state[key] = torch.zeros(shape, dtype=dt, device=device)
+            if torch.cuda.is_current_stream_capturing():
+                reserve = self._state_reserve.get(device)
+                if not reserve:
+                    raise InputError(
+                        f"{self.name}: its first call on this device, or on more than {STATE_RESERVE} streams, is "
+                        "inside a CUDA graph capture; call it once outside the capture first (a warm-up, as "
+                        "torch.cuda.graphs asks): its dispatch counters are made then, outside the graph's memory")
+                self._state.update({(n, device, stream): t for n, t in reserve.pop().items()})
+            else:
+                self._state.update({(n, device, stream): t for n, t in self._new_state_set(device).items()})
+                self._state_reserve.setdefault(device, [self._new_state_set(device) for _ in range(STATE_RESERVE)])
         return self._state[key]
+
+    def _new_state_set(self, device) -> dict:
+        return {n: torch.zeros(shape, dtype=dt, device=device) for n, (dt, shape) in self._state_shapes.items()}
 
     def _check_status(self, wait: bool) -> None:
         """Raise what an earlier call's kernels recorded (KernelTimeout for a timed-out wait,
@@ -382,7 +407,7 @@ class Variant:
                 return  # (raised at the first call or check after the capture)
             self._status_word.value = 0
             for t in self._state.values():  # a launch that gave up a wait may leave counters raised
-                t.zero_()
+                t.zero_()  # (the reserve's sets are never used before a capture takes them)
             raise status_error(self.name, self.spec.experts, self._gemm_by_slot, code,
                                self.plan["overrides"].get("wait_timeout_ms", WAIT_TIMEOUT_MS))
 
