@@ -362,11 +362,36 @@ def _workspace_variant(monkeypatch):
     v.kernels = {"k": {"args": [{"tensor": "rows"}, {"tensor": "sync"}]}}
     v._buffer_fns = V.call_buffer_fns(v.plan)
     v._state_shapes = {"sync": (torch.int32, (4,))}
-    v._state, v._kept = {}, {}
+    v._state, v._kept, v._state_reserve = {}, {}, {}
     v.poison = v.profiling = v.expert_parallel = False
     monkeypatch.setattr(V, "cuda_stream", lambda device: 7)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     return v
+
+
+def test_a_capture_streams_state_buffers_come_from_the_reserve_made_outside_captures(monkeypatch):
+    """A stream whose first call is inside a CUDA graph capture takes a state set made, zeroed,
+    beside the first stream's (made inside the capture, it would live in the graph's pool and go
+    with it); a device's first call inside a capture is refused with a clear error."""
+    from mokgen.runtime import InputError
+    from mokgen.runtime import variant as V
+
+    v = _workspace_variant(monkeypatch)
+    cpu = torch.device("cpu")
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with pytest.raises(InputError, match="call it once outside the capture first"):
+        v._workspace(5, cpu, "fwd")
+    capturing[0] = False
+    eager = v._workspace(5, cpu, "fwd")["sync"]  # stream 7: its own set, and the reserve beside it
+    assert len(v._state_reserve[cpu]) == V.STATE_RESERVE
+    spare = v._state_reserve[cpu][-1]["sync"]
+    capturing[0] = True
+    monkeypatch.setattr(V, "cuda_stream", lambda device: 8)  # torch's capture stream, first seen in a capture
+    got = v._workspace(5, cpu, "fwd")["sync"]
+    assert got is spare and got is not eager and torch.equal(got, torch.zeros(4, dtype=torch.int32))
+    assert len(v._state_reserve[cpu]) == V.STATE_RESERVE - 1
+    assert v._workspace(5, cpu, "fwd")["sync"] is got  # (kept for that stream's later captures)
 
 
 def test_calls_inside_the_custom_ops_keep_nothing_and_own_their_state_buffers(monkeypatch):
