@@ -129,7 +129,7 @@ def spilled_tile_cost(spec: MoESpec, r: float, n: int) -> float:
     # expected M tiles: P(rows > j n) summed over j (an expert with no rows is all but impossible here)
     tiles = sum(0.5 * math.erfc((j * n + 0.5 - r) / (sd * math.sqrt(2))) for j in range(int((r + 6 * sd) // n) + 1))
     weights = 3 * H * I * 2 / (TILE_WEIGHT_GBS * 1e3)
-    row = (I // SWAP_TILE_N * H * 2 + H // (2 * SWAP_TILE_N) * I * 2) / (TILE_ROWS_GBS * 1e3)
+    row = (I // SWAP_TILE_N * H * 2 + down_tiles(H, SWAP_TILE_N) * I * 2) / (TILE_ROWS_GBS * 1e3)
     return tiles * (weights + n * row)
 
 
@@ -401,6 +401,11 @@ def combine_parts(hidden: int) -> list[int]:
     return [d for d in range(1, most + 1) if most % d == 0]
 
 
+def down_tiles(hidden: int, tile_n: int) -> int:
+    """A single launch's down tiles per M tile: each is two tile_n-wide halves (fused_gemm)."""
+    return hidden // (2 * tile_n)
+
+
 def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target, S: int = 0,
                shared_slot: int = 0, sched_slot: int = 0, done_slot: int | None = None, K: int = 0,
                debug_break_dependency: bool = False, name: str = "gemm_fused") -> KernelPlan:
@@ -413,7 +418,7 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
     if unfit:
         raise PlanError(f"fuse_gemms: {unfit}")
     params = dict(p, fused=True, name=name, class_name=class_name(name), n2_size=H, k2_size=I,
-                  n2_tiles=H // (2 * p["tile_n"]), used_slot=used_slot, s_size=S, shared_slot=shared_slot,
+                  n2_tiles=down_tiles(H, p["tile_n"]), used_slot=used_slot, s_size=S, shared_slot=shared_slot,
                   sched_slot=sched_slot, combine=done_slot is not None, done_slot=done_slot or 0, topk=K,
                   combine_parts=combine_parts(H) if done_slot is not None else [1],
                   combine_unroll=COMBINE_UNROLL,
