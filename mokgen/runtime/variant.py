@@ -379,7 +379,8 @@ class Variant:
                 self._state.update({(n, device, stream): t for n, t in reserve.pop().items()})
             else:
                 self._state.update({(n, device, stream): t for n, t in self._new_state_set(device).items()})
-                self._state_reserve.setdefault(device, [self._new_state_set(device) for _ in range(STATE_RESERVE)])
+                if device not in self._state_reserve:  # (made once per device: a later stream takes none)
+                    self._state_reserve[device] = [self._new_state_set(device) for _ in range(STATE_RESERVE)]
         return self._state[key]
 
     def _new_state_set(self, device) -> dict:
