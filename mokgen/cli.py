@@ -338,16 +338,23 @@ def _verify_ranks(path: Path, world: int, tokens: str, routing: str, forward_onl
                    "or the source tree's generated/).")
 @click.option("--fresh", is_flag=True,
               help="Time every candidate again (by default a stopped run resumes after the candidates it timed).")
-def tune(variant, prepare, tokens, out, fresh):
+@click.option("--paths", is_flag=True,
+              help="(GPU) Time the single launch against the per-GEMM path across its bands of T in the built "
+                   "variant, record the T the per-GEMM path serves faster, and rebuild (the manifest only) to apply it.")
+def tune(variant, prepare, tokens, out, fresh, paths):
     """Autotune a variant: --prepare builds candidate Plans, then (on the GPU) time them
-    and record the winner; the next `mokgen build` applies it."""
+    and record the winner; the next `mokgen build` applies it. --paths (on the GPU, after
+    either) chooses, per band of T, between the single launch and the per-GEMM path."""
     from .codegen import default_out
-    from .tune import prepare as do_prepare, run as do_run
+    from .schedule.records import PlanError
+    from .tune import prepare as do_prepare, run as do_run, run_paths
 
     out = out or default_out()
     path = _resolve_variant(variant)
     spec = MoESpec.from_dict(json.loads((path / "manifest.json").read_text())["spec"]) \
         if (path / "manifest.json").exists() else PRESETS[variant]
+    if prepare and paths:
+        fail("--paths times the built variant on the GPU: nothing to prepare", code=2)
     if prepare:
         do_prepare(spec, out, log=click.echo)
         click.echo(f"prepared; now run `mokgen tune {spec.variant}` on the GPU")
@@ -358,9 +365,19 @@ def tune(variant, prepare, tokens, out, fresh):
     if not torch.cuda.is_available():
         fail("tuning needs a CUDA GPU (use --prepare to build the candidates here)", code=1)
     try:
-        do_run(spec, out, toks, log=click.echo, fresh=fresh)
-    except FileNotFoundError as e:
+        if not paths:
+            do_run(spec, out, toks, log=click.echo, fresh=fresh)
+            return
+        run_paths(spec, out, log=click.echo)
+    except (FileNotFoundError, PlanError) as e:
         fail(str(e), code=1)
+    from .codegen import build
+
+    try:  # (the same kernels: the build finds them current and rewrites the manifest's Plan)
+        build(spec, out, log=click.echo)
+    except ImportError as e:
+        fail(f"recorded, not applied: {e}; run `mokgen build` for {spec.variant} where nvidia-cutlass-dsl is "
+             "installed", code=1)
 
 
 @main.command()

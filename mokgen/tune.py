@@ -13,6 +13,15 @@ Each candidate runs in its own process and must pass the golden check before it 
 The candidates timed so far are kept in <out>/tuning/<variant>/progress.json after each one,
 so a run that is stopped resumes where it was (on the same GPU, the same T and candidates;
 `mokgen tune --fresh` times them all again).
+
+    mokgen tune VARIANT --paths        (on the GPU) which T the per-GEMM path serves better
+
+A built Plan holds both the single launch (its bands of tiles by T) and the per-GEMM path; the
+model gives every T up to FUSED_MAX_TOKENS to the single launch. --paths times both, in the
+built variant, at points across every band (path_tokens), each T in its own process, and writes
+<out>/tuning/<variant>.paths.json: the T ranges where the per-GEMM path was faster by more than
+PATHS_MARGIN with the same bits (Plan override per_gemm_tokens). The next build applies it; no
+kernel changes, so that build only rewrites the manifest (tune --paths runs it).
 """
 from __future__ import annotations
 
@@ -189,9 +198,7 @@ def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int =
     return record
 
 
-def winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
-    """The recorded winner for this spec, if a tuning record exists: (overrides, source)."""
-    path = record_path(out, spec.variant)
+def _read_record(path: Path, spec: MoESpec) -> dict | None:
     if not path.exists():
         return None
     try:
@@ -200,10 +207,161 @@ def winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
         raise PlanError(f"{path}: not a readable tuning record ({e}); delete it or run `mokgen tune` again") from None
     if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT or rec.get("spec") != spec.to_dict():
         return None
+    return rec
+
+
+def candidates_winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
+    """The candidate search's recorded winner for this spec, if its record exists: (overrides, source)."""
+    rec = _read_record(record_path(out, spec.variant), spec)
+    if rec is None:
+        return None
     return rec["winner"], f"tuning/{spec.variant}.json ({rec['device']}, T={rec['tokens']})"
 
 
-if __name__ == "__main__":  # one candidate, in its own process (see run())
+def winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
+    """The recorded tuning for this spec: (overrides, source), or None. The candidate search's
+    winner, and the per-GEMM path's ranges of T (`tune --paths`) where they were measured
+    against the Plan that winner gives (a paths record of another Plan is not applied)."""
+    found = candidates_winner(out, spec)
+    overrides, source = found or ({}, "")
+    rec = _read_record(paths_record_path(out, spec.variant), spec)
+    if rec is not None and rec["base_overrides"] == overrides and rec["per_gemm_tokens"]:
+        overrides = {**overrides, "per_gemm_tokens": rec["per_gemm_tokens"]}
+        source = "; ".join(filter(None, [source, f"tuning/{spec.variant}.paths.json ({rec['device']})"]))
+    return (overrides, source) if source else None
+
+
+# ---- which T the per-GEMM path serves better (tune --paths) ------------------------------
+# A point goes to the per-GEMM path only where it is this much faster than the single launch's
+# entry (interleaved rounds of CUDA-graph replays differ by about 1% from run to run).
+PATHS_MARGIN = 0.02
+PATHS_ROUNDS = 3
+# Points are at most this ratio of T apart inside a band (and one in every band).
+PATHS_STEP = 1.3
+
+
+def paths_record_path(out: Path, variant: str) -> Path:
+    return Path(out) / "tuning" / f"{variant}.paths.json"
+
+
+def path_tokens(bands: list) -> list[int]:
+    """The T at which `tune --paths` times both paths: in each band (a, b] of the single launch
+    (launch_bands: [[b, entry]]), points spaced evenly in log T between a (b / 2 for the first)
+    and b, at most PATHS_STEP apart (at least one, mid-band)."""
+    out, a = [], 0
+    for b, _ in bands:
+        lo = a or b / 2
+        n = max(1, math.ceil(math.log(b / lo) / math.log(PATHS_STEP))) if b > lo else 1
+        out += sorted({min(b, max(a + 1, round(lo * (b / lo) ** ((i + 0.5) / n)))) for i in range(n)})
+        a = b
+    return out
+
+
+def per_gemm_ranges(bands: list, points: list[dict], margin: float = PATHS_MARGIN) -> list[list[int]]:
+    """The T ranges [lo, hi] to give the per-GEMM path (override per_gemm_tokens): each measured
+    point owns the T of its band nearest to it (the band split half way between its points); a
+    point whose per-GEMM time beat the band's entry by more than margin, with the same bits, gives
+    its T to the per-GEMM path. Bands without a point keep their entry."""
+    ranges: list[list[int]] = []
+    a = 0
+    for b, entry in bands:
+        mine = sorted((p for p in points if a < p["T"] <= b), key=lambda p: p["T"])
+        for i, p in enumerate(mine):
+            lo = a + 1 if i == 0 else (mine[i - 1]["T"] + p["T"]) // 2 + 1
+            hi = b if i == len(mine) - 1 else (p["T"] + mine[i + 1]["T"]) // 2
+            if p["same_bits"] and p["ms"]["forward"] < (1 - margin) * p["ms"][p["entry"]]:
+                if ranges and ranges[-1][1] == lo - 1:
+                    ranges[-1][1] = hi
+                else:
+                    ranges.append([lo, hi])
+        a = b
+    return ranges
+
+
+def measure_paths(variant_dir: Path, tokens: int) -> dict:
+    """(in its own process, see run_paths) The band's entry and the per-GEMM path at T = tokens:
+    CUDA-graph replays, PATHS_ROUNDS interleaved rounds (bench.time_rounds), and whether they
+    give the same bits."""
+    import torch
+
+    from .bench import _capture, time_rounds
+    from .runtime import Variant
+    from .verify import make_inputs
+
+    v = Variant(variant_dir)
+    model = make_plan(v.spec, overrides={k: x for k, x in v.plan["overrides"].items() if k != "per_gemm_tokens"})
+    entry = next(e for t, e in model.launch_bands if tokens <= t)
+    x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, tokens, "uniform", torch.Generator("cuda").manual_seed(tokens))
+    outs, calls = {}, {}
+    for e in (entry, "forward"):
+        def call(e=e, out=torch.empty_like(x)):
+            v._run_forward(e, x, dict(topk_ids=ids, topk_weights=w), wg, wu, wd, *shared, out)
+            return out
+        outs[e] = call().clone()
+        graph = _capture(call)
+        if graph is None:
+            raise RuntimeError(f"{e}: CUDA graph capture failed")
+        calls[e] = graph.replay
+    v.check_errors()
+    ms = time_rounds(calls, PATHS_ROUNDS, [], T=tokens)
+    v.check_errors()
+    return dict(T=tokens, entry=entry, ms=ms, same_bits=torch.equal(outs[entry], outs["forward"]))
+
+
+def run_paths(spec: MoESpec, out: Path, log=print, timeout_s: int = 120) -> dict:
+    """Time the single launch's entry and the per-GEMM path at path_tokens of the built variant
+    (each T in its own process, which a failure cannot take down with the rest); write the
+    paths record and return it."""
+    import subprocess
     import sys
 
-    print(json.dumps(measure(Path(sys.argv[1]), [int(t) for t in sys.argv[2].split(",")])))
+    import torch
+
+    variant_dir = Path(out) / spec.variant
+    if not (variant_dir / "manifest.json").exists():
+        raise FileNotFoundError(f"{spec.variant} is not built in {out}: run `mokgen build` first")
+    built = json.loads((variant_dir / "manifest.json").read_text())["plan"]
+    base = {k: x for k, x in built["overrides"].items() if k != "per_gemm_tokens"}
+    bands = make_plan(spec, overrides=base).launch_bands
+    if not bands:
+        raise PlanError(f"{spec.variant}: its Plan has no single launch served by T beside the per-GEMM path: "
+                        "nothing to choose")
+    device = torch.cuda.get_device_name()
+    points = []
+    tokens = path_tokens(bands)
+    for i, T in enumerate(tokens):
+        cmd = [sys.executable, "-m", "mokgen.tune", "--paths", str(variant_dir), str(T)]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+            res = json.loads(lines[-1]) if p.returncode == 0 and lines else \
+                dict(error=(p.stderr.strip().splitlines() or ["no output"])[-1][:300])
+        except subprocess.TimeoutExpired:
+            res = dict(error=f"no result within {timeout_s} s")
+        if "error" in res:
+            log(f"[{i + 1}/{len(tokens)}] T={T}: FAILED: {res['error']} (its band keeps the single launch there)")
+            continue
+        points.append(res)
+        e, f = res["ms"][res["entry"]], res["ms"]["forward"]
+        log(f"[{i + 1}/{len(tokens)}] T={T}: {res['entry']} {e * 1e3:.1f} us, per-GEMM {f * 1e3:.1f} us "
+            f"({e / f:.3f}x){'' if res['same_bits'] else '  OTHER BITS: not eligible'}")
+    ranges = per_gemm_ranges(bands, points)
+    record = dict(format=RECORD_FORMAT, variant=spec.variant, spec=spec.to_dict(), device=device,
+                  torch=torch.__version__, base_overrides=base, launch_bands=bands, margin=PATHS_MARGIN,
+                  points=points, per_gemm_tokens=ranges)
+    path = write_text_atomic(paths_record_path(out, spec.variant), json.dumps(record, indent=1, sort_keys=True))
+    log(("per-GEMM path at T in " + ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) if ranges else
+         "the single launch everywhere it serves (the model's bands kept)") + f"; wrote {path}")
+    if candidates_winner(out, spec) and candidates_winner(out, spec)[0] != base:
+        log(f"note: {spec.variant} was built without its candidate search's winner; the record applies to "
+            "that Plan only once it is built")
+    return record
+
+
+if __name__ == "__main__":  # one candidate (see run()), or one T of --paths (run_paths), in its own process
+    import sys
+
+    if sys.argv[1] == "--paths":
+        print(json.dumps(measure_paths(Path(sys.argv[2]), int(sys.argv[3]))))
+    else:
+        print(json.dumps(measure(Path(sys.argv[1]), [int(t) for t in sys.argv[2].split(",")])))

@@ -11,7 +11,7 @@ from mokgen.ir import PRESETS, MoESpec, forward_graph
 from mokgen.schedule import H200, Plan, PlanError, choose_gemm_tiling, make_plan
 from mokgen.schedule.gemms import SWAP_GATHER_LAG, SWAP_GATHER_LAG_MAX_ROWS
 from mokgen.schedule.plan import check_plan
-from mokgen.schedule.single_launch import L2_EVICT_LAST, SWAP_ROWS, spilled_tile
+from mokgen.schedule.single_launch import L2_EVICT_LAST, SWAP_ROWS, per_gemm_bands, spilled_tile
 from mokgen.schedule.tiling import SWAP_ACC_MAX
 
 SPECS = list(PRESETS.values()) + [MoESpec(experts=40, topk=6, hidden=1536, intermediate=640),
@@ -543,6 +543,57 @@ def test_a_stopped_tuning_run_resumes_after_the_candidates_it_timed(tmp_path):
         winner(tmp_path, spec)
 
 
+def test_tune_paths_points_ranges_and_record(tmp_path):
+    """`mokgen tune --paths`: points in every band of the single launch, at most PATHS_STEP apart;
+    a point gives the T of its band nearest to it to the per-GEMM path where that was faster by
+    more than PATHS_MARGIN with the same bits; the record applies on top of the candidate
+    search's winner only where it was measured against that winner's Plan."""
+    import json
+
+    from mokgen.codegen.build import resolve_plan
+    from mokgen.tune import (PATHS_STEP, path_tokens, paths_record_path, per_gemm_ranges, record_path, run_paths,
+                             winner)
+
+    spec = PRESETS["mixtral-8x7b"]
+    bands = make_plan(spec).launch_bands
+    pts = path_tokens(bands)
+    assert pts == sorted(set(pts)) and pts[-1] <= bands[-1][0]
+    a = 0
+    for b, _ in bands:  # every band has a point, and its points are at most PATHS_STEP apart
+        mine = [t for t in pts if a < t <= b]
+        assert mine and all(y / x <= PATHS_STEP * 1.01 for x, y in zip(mine, mine[1:])), (a, b, mine)
+        a = b
+
+    def point(T, entry, ms, forward, same=True):
+        return dict(T=T, entry=entry, ms={entry: ms, "forward": forward}, same_bits=same)
+    toy = [[34, "a"], [82, "b"], [2048, "c"]]
+    got = per_gemm_ranges(toy, [point(20, "a", 1, 1.1), point(30, "a", 1, 0.9), point(60, "b", 1, 0.97),
+                                point(100, "c", 1, 0.5), point(500, "c", 1, 0.5, same=False), point(1500, "c", 1, 0.99)])
+    assert got == [[26, 300]]  # (0.99: within the margin; other bits: never)
+    assert per_gemm_ranges(toy, []) == []
+
+    path = paths_record_path(tmp_path, spec.variant)
+    path.parent.mkdir(parents=True)
+    rec = dict(format=1, spec=spec.to_dict(), device="H100", base_overrides={}, per_gemm_tokens=[[340, 440]])
+    path.write_text(json.dumps(rec))
+    assert winner(tmp_path, spec) == ({"per_gemm_tokens": [[340, 440]]}, f"tuning/{spec.variant}.paths.json (H100)")
+    assert forward_entry_of(resolve_plan(spec, tmp_path), 400) == "forward"
+    # a candidate winner other than the Plan the paths were measured in: the paths record is not applied
+    record_path(tmp_path, spec.variant).write_text(json.dumps(dict(
+        format=1, spec=spec.to_dict(), winner={"fused_small": False}, device="H100", tokens=[4096])))
+    assert winner(tmp_path, spec)[0] == {"fused_small": False}
+    path.write_text(json.dumps({**rec, "base_overrides": {"fused_small": False}}))
+    assert winner(tmp_path, spec)[0] == {"fused_small": False, "per_gemm_tokens": [[340, 440]]}
+    with pytest.raises(FileNotFoundError, match="not built"):
+        run_paths(spec, tmp_path / "nothing")
+
+
+def forward_entry_of(plan, tokens: int) -> str:
+    from mokgen.runtime.variant import forward_entry
+
+    return forward_entry(plan.to_dict(), tokens)
+
+
 @pytest.mark.parametrize("spec", [PRESETS["olmoe"], MoESpec(experts=16, topk=4, hidden=1024, intermediate=512,
                                                             shared_intermediate=768)], ids=lambda s: s.variant)
 def test_gemm_tile_schedulers_have_their_own_counter_zeroed_before_them(spec):
@@ -853,6 +904,31 @@ def test_single_launch_tiles_by_tokens():
     assert (narrow["mma_warpgroups"], narrow["tile_k"], narrow["stages"], narrow["n2_tiles"]) == (1, 128, 4, 16)
     with pytest.raises(PlanError, match="swapped tiles: N tile 256"):
         make_plan(spec, overrides={"gemm_fused_n64.tile_n": 256})
+
+
+def test_per_gemm_tokens_gives_measured_ranges_of_t_to_the_per_gemm_path():
+    """Override per_gemm_tokens (what `mokgen tune --paths` measures): the bands cut at the ranges'
+    edges, the ranges served by "forward", the rest as the model has them; the kernels and the
+    row buffers (sized by the model's bands) unchanged."""
+    from mokgen.runtime.variant import forward_entry
+
+    spec = PRESETS["mixtral-8x7b"]
+    base = make_plan(spec)
+    p = make_plan(spec, overrides={"per_gemm_tokens": [[340, 440], [651, 2048]]})
+    assert p.launch_bands[-6:] == [[297, "forward_n96"], [339, "forward_n112"], [440, "forward"],
+                                   [467, "forward_n144"], [650, "forward_n160"], [2048, "forward"]]
+    assert p.launch_bands[:-6] == base.launch_bands[:-6]
+    assert [k.name for k in p.kernels] == [k.name for k in base.kernels] and p.buffers == base.buffers
+    assert forward_entry(p.to_dict(), 339) == "forward_n112" and forward_entry(p.to_dict(), 340) == "forward"
+    assert forward_entry(p.to_dict(), 700) == "forward" == forward_entry(p.to_dict(), 4096)
+    assert per_gemm_bands([[34, "a"], [82, "b"]], [[20, 30]]) == [[19, "a"], [30, "forward"], [34, "a"], [82, "b"]]
+    assert per_gemm_bands([[34, "a"], [82, "b"]], [[1, 5000]]) == [[82, "forward"]]
+    assert per_gemm_bands([[34, "a"], [82, "b"]], []) == [[34, "a"], [82, "b"]]
+    for bad in ([[5, 3]], [[1, 10], [10, 20]], "x", [[1, True]], [[0, 4]], [[1, 2, 3]]):
+        with pytest.raises(PlanError, match="per_gemm_tokens must be"):
+            make_plan(spec, overrides={"per_gemm_tokens": bad})
+    with pytest.raises(PlanError, match="no single launch served by T"):
+        make_plan(spec, overrides={"per_gemm_tokens": [[1, 2]], "fuse_gemms": False})
 
 
 def test_every_entrys_last_kernel_mirrors_its_error_code():

@@ -33,7 +33,7 @@ from .gemms import GemmMaker
 from .records import (PLAN_FORMAT, SHARED_ROWS, VEC, Buffer, KernelArg, KernelPlan, Plan, PlanError, _expr,
                       simt_threads)
 from .single_launch import (COMBINE_EARLY, FUSED_MAX_TOKENS, fused_gemm, fused_misfit, launch_policies,
-                            single_launches)
+                            per_gemm_bands, single_launches)
 from .status import MIRROR_STATUS, RUNTIME_TENSORS, WAIT_TIMEOUT_MS, mirror_status_by_last_kernels, status_mirror
 from .target import Target, target_for
 from .taskgraph import forward_task_graph, fused_tile_order, gemm_model_params
@@ -225,8 +225,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         overrides=dict(ov),
         task_graph=task_graph,
         fused_max_tokens=(EP_FUSED_MAX_TOKENS if ep else FUSED_MAX_TOKENS) if paths.kind == "by_tokens" else 0,
-        launch_bands=[[t, f"forward_n{n}" if n else "forward_fused"] for t, n in bands] if paths.fuse and not ep
-        else [],
+        launch_bands=served_bands(bands, paths, ep, ov, decisions),
         zeroed=zeroed,
         side_stream=side_stream,
     )
@@ -355,6 +354,20 @@ def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict 
         return "multi", "GEMM path: one launch per GEMM (clusters are built for it only)"
     return "by_tokens", (f"GEMM paths: calls with T <= {FUSED_MAX_TOKENS} run the fused launch (all GEMM tiles in "
                          "one persistent kernel), larger ones one launch per GEMM (measured crossover, docs/perf.md)")
+
+
+def served_bands(bands: list, paths: Paths, ep: bool, ov: dict, decisions: list) -> list:
+    """launch_bands: the entry that serves each band of T (the single launch's model bands), with
+    the ranges of override per_gemm_tokens given to the per-GEMM path (per_gemm_bands)."""
+    served = [[t, f"forward_n{n}" if n else "forward_fused"] for t, n in bands] if paths.fuse and not ep else []
+    ranges = ov.get("per_gemm_tokens")
+    if ranges is None:
+        return served
+    if not served or paths.kind != "by_tokens":
+        raise PlanError("per_gemm_tokens: this Plan has no single launch served by T beside the per-GEMM path")
+    decisions.append("calls with T in " + ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) + " run the per-GEMM "
+                     "path in place of the single launch (override per_gemm_tokens: measured faster there)")
+    return per_gemm_bands(served, ranges)
 
 
 @dataclass(frozen=True)
@@ -531,7 +544,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
                            r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status"
-                           r"|discard_consumed|discard_what|discard_h_early"
+                           r"|discard_consumed|discard_what|discard_h_early|per_gemm_tokens"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|(gemm_gateup|bwd_dgrad_down)\.gather_lag|gemm_fused\.wave_lag")
@@ -556,6 +569,13 @@ def check_overrides(overrides: dict) -> None:
         if key == "discard_what":
             if value not in ("all", "rows", "padding"):
                 raise PlanError(f"discard_what must be 'all', 'rows' or 'padding', got {value!r}")
+            continue
+        if key == "per_gemm_tokens":
+            if not isinstance(value, list) or not all(
+                    isinstance(r, list) and len(r) == 2 and all(isinstance(t, int) and not isinstance(t, bool) for t in r)
+                    and 1 <= r[0] <= r[1] for r in value) or any(a[1] >= b[0] for a, b in zip(value, value[1:])):
+                raise PlanError(f"per_gemm_tokens must be a list of [lo, hi] token ranges, 1 <= lo <= hi, increasing "
+                                f"and apart, got {value!r}")
             continue
         if key == "swap_rows":
             if not isinstance(value, list) or any(isinstance(n, bool) or not isinstance(n, int) or n % SWAP_ROW_STEP

@@ -120,6 +120,27 @@ def launch_bands(spec: MoESpec, row_tile: int, sms: int, in_launch: bool, overri
             f"T <= {t}: " + (f"swapped, {n} token rows" if n else f"plain, {row_tile} rows") for t, n in bands))
 
 
+def per_gemm_bands(bands: list, ranges: list) -> list:
+    """launch_bands ([[max_tokens, entry]], increasing) with the T ranges [lo, hi] served by the
+    per-GEMM path ("forward") in place of the single launch (override per_gemm_tokens, which
+    `mokgen tune --paths` measures per layer): bands cut at the ranges' edges, adjacent bands of
+    one entry merged. T past the last band is the per-GEMM path's already. The row buffers stay
+    sized by the model's bands, so every entry still finds its rows at every T."""
+    top = bands[-1][0] if bands else 0
+    cuts = sorted({t for t, _ in bands} | {lo - 1 for lo, _ in ranges if 1 < lo <= top}
+                  | {hi for _, hi in ranges if hi < top})
+    out: list = []
+    lo = 1
+    for cut in cuts:
+        entry = "forward" if any(a <= lo <= b for a, b in ranges) else next(e for t, e in bands if lo <= t)
+        if out and out[-1][1] == entry:
+            out[-1][0] = cut
+        else:
+            out.append([cut, entry])
+        lo = cut + 1
+    return out
+
+
 def spilled_tile_cost(spec: MoESpec, r: float, n: int) -> float:
     """The tile model's SM time (us) of one expert's swapped M tiles of n rows, where its routed
     rows scatter around r (normal, sd sqrt(r)): each M tile streams the expert's weights and n
