@@ -30,6 +30,8 @@ def format_plan(plan: dict) -> str:
     ]
     # Where a single launch serves the small calls, the per-GEMM launch order is the large calls'.
     above = f" of calls with T > {plan['fused_max_tokens']}" if "forward_fused" in plan["steps"] else ""
+    if any(entry == "forward" for _, entry in plan.get("launch_bands", [])):
+        above += " and those the bands below give it"
     out.append(f"kernels (launch order{above}: " + " -> ".join(plan["steps"]["forward"])
                + ("; route: " + " -> ".join(plan["steps"]["route"]) if "route" in plan["steps"] else "")
                + ("; its backward: " + " -> ".join(plan["steps"]["route_backward"])
@@ -41,6 +43,10 @@ def format_plan(plan: dict) -> str:
 
     low = 1
     for top, entry in plan.get("launch_bands", []):
+        if entry == "forward":  # (a range of T given to the per-GEMM path: Plan override per_gemm_tokens)
+            out.append(f"          calls with {low} <= T <= {top}: the per-GEMM launches above (measured faster)")
+            low = top + 1
+            continue
         routed = routed_twin(entry)
         out.append(f"          calls with {low} <= T <= {top}: " + " -> ".join(plan["steps"][entry])
                    + (" (from router logits: " + " -> ".join(plan["steps"][routed]) + ")"

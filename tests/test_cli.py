@@ -37,6 +37,14 @@ def test_show_names_one_launch_per_token_band():
     assert "kernels (launch order of calls with T > 2048: dispatch_count" in r.output
     assert "calls with 936 <= T <= 1300: gemm_fused_n160 (from router logits: gemm_fused_n160_routed)" in r.output
     assert "calls with T <= 2048: gemm_fused\n" not in r.output and "logits (mokgen.moe_routed) with T" not in r.output
+    # T ranges given to the per-GEMM path (override per_gemm_tokens, tune --paths) are named as such
+    from mokgen.ir import PRESETS
+    from mokgen.schedule import make_plan
+    from mokgen.show import format_plan
+
+    text = format_plan(make_plan(PRESETS["olmoe"], overrides={"per_gemm_tokens": [[1301, 2048]]}).to_dict())
+    assert "launch order of calls with T > 2048 and those the bands below give it: dispatch_count" in text
+    assert "calls with 1301 <= T <= 2048: the per-GEMM launches above (measured faster)" in text
 
 
 def test_bad_flags_exit_2_with_one_line(tmp_path):
