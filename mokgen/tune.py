@@ -141,6 +141,23 @@ def measure(variant_dir: Path, tokens: list[int]) -> dict:
     return dict(ms=ms, rel_err=err, gpu_state=state)
 
 
+def _in_own_process(args: list[str], timeout_s: int) -> dict:
+    """`python -m mokgen.tune ARGS` (one candidate, or one T of --paths) in a process of its own,
+    which a kernel that traps or hangs cannot take the caller down with: its JSON result, or
+    {"error": why}."""
+    import subprocess
+    import sys
+
+    try:
+        p = subprocess.run([sys.executable, "-m", "mokgen.tune", *args], capture_output=True, text=True,
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"no result within {timeout_s} s")
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if p.returncode == 0 and lines else \
+        dict(error=(p.stderr.strip().splitlines() or ["no output"])[-1][:300])
+
+
 def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int = 300, fresh: bool = False) -> dict:
     """Time every prepared candidate on this GPU; write and return the record. Candidates an
     earlier, stopped run timed here are kept (resumable) unless fresh.
@@ -149,9 +166,6 @@ def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int =
     kernel that traps leaves its CUDA context unusable) or hangs cannot take the
     others down; it is recorded as failed and cannot win. A candidate must also pass
     the golden check (relative error against the float64 reference <= 1e-2)."""
-    import subprocess
-    import sys
-
     import torch
 
     from .verify import TOLERANCE
@@ -168,14 +182,7 @@ def run(spec: MoESpec, out: Path, tokens: list[int], log=print, timeout_s: int =
         log(f"[{i + 1}/{len(cands)}] {entry['overrides'] or 'default plan'}: timed before, kept "
             f"({progress_path(out, spec.variant)})")
     for i, ov in enumerate(cands[len(results):], start=len(results)):
-        cmd = [sys.executable, "-m", "mokgen.tune", str(root / f"c{i}" / spec.variant), ",".join(map(str, tokens))]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
-            res = json.loads(lines[-1]) if p.returncode == 0 and lines else \
-                dict(error=(p.stderr.strip().splitlines() or ["no output"])[-1][:300])
-        except subprocess.TimeoutExpired:
-            res = dict(error=f"no result within {timeout_s} s")
+        res = _in_own_process([str(root / f"c{i}" / spec.variant), ",".join(map(str, tokens))], timeout_s)
         ok = "error" not in res and res["rel_err"] <= TOLERANCE
         entry = dict(overrides=ov, eligible=ok, **res)
         if "ms" in res:
@@ -312,9 +319,6 @@ def run_paths(spec: MoESpec, out: Path, log=print, timeout_s: int = 120) -> dict
     """Time the single launch's entry and the per-GEMM path at path_tokens of the built variant
     (each T in its own process, which a failure cannot take down with the rest); write the
     paths record and return it."""
-    import subprocess
-    import sys
-
     import torch
 
     variant_dir = Path(out) / spec.variant
@@ -330,14 +334,7 @@ def run_paths(spec: MoESpec, out: Path, log=print, timeout_s: int = 120) -> dict
     points = []
     tokens = path_tokens(bands)
     for i, T in enumerate(tokens):
-        cmd = [sys.executable, "-m", "mokgen.tune", "--paths", str(variant_dir), str(T)]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
-            res = json.loads(lines[-1]) if p.returncode == 0 and lines else \
-                dict(error=(p.stderr.strip().splitlines() or ["no output"])[-1][:300])
-        except subprocess.TimeoutExpired:
-            res = dict(error=f"no result within {timeout_s} s")
+        res = _in_own_process(["--paths", str(variant_dir), str(T)], timeout_s)
         if "error" in res:
             log(f"[{i + 1}/{len(tokens)}] T={T}: FAILED: {res['error']} (its band keeps the single launch there)")
             continue

@@ -568,7 +568,8 @@ def test_tune_paths_points_ranges_and_record(tmp_path):
         return dict(T=T, entry=entry, ms={entry: ms, "forward": forward}, same_bits=same)
     toy = [[34, "a"], [82, "b"], [2048, "c"]]
     got = per_gemm_ranges(toy, [point(20, "a", 1, 1.1), point(30, "a", 1, 0.9), point(60, "b", 1, 0.97),
-                                point(100, "c", 1, 0.5), point(500, "c", 1, 0.5, same=False), point(1500, "c", 1, 0.99)])
+                                point(100, "c", 1, 0.5), point(500, "c", 1, 0.5, same=False),
+                                point(1500, "c", 1, 0.99)])
     assert got == [[26, 300]]  # (0.99: within the margin; other bits: never)
     assert per_gemm_ranges(toy, []) == []
 
