@@ -15,7 +15,8 @@ need more rows than that workspace holds for this routing (a band of larger tile
 whose band has smaller ones) is skipped and said so, before anything runs. Not explained yet: on
 Mixtral-8x7B, the plain launch and the per-GEMM path both forced at T = 16 and then at T = 64 end
 in an illegal memory access while the T = 64 graphs replay (either one alone, the other order, or
-T = 16 then 17 do not; every default entry at every T runs clean): docs/perf.md, Next.
+T = 16 then 17 do not; every default entry at every T runs clean): docs/perf.md, Next, and
+benchmarks/graph_replays.py, its repro.
 """
 import argparse
 import json

@@ -354,3 +354,14 @@ def test_band_probe_sizes_a_forced_band_and_refuses_bad_tokens_before_any_gpu_wo
         with pytest.raises(SystemExit) as e:
             probe.main(bad)
         assert e.value.code == 2, bad
+
+
+def test_graph_replays_reads_entries_per_t_and_refuses_bad_arguments_before_any_gpu_work():
+    replays = bench_module("graph_replays")
+    assert replays.entries_per_t("forward_fused,forward", 2) == [["forward_fused", "forward"]] * 2
+    assert replays.entries_per_t("forward;forward_fused", 2) == [["forward"], ["forward_fused"]]
+    for bad in (["--tokens", "16,x"], ["--tokens", "0"], ["--replays", "0"], ["--entries", "a;b;c"]):
+        with pytest.raises(SystemExit) as e:
+            replays.main(bad)
+        assert e.value.code == 2, bad
+
