@@ -175,6 +175,18 @@ def gpu_state() -> dict:
         return {}
 
 
+def forced_call(variant, entry: str, x, ids, w, wg, wu, wd, shared=()):
+    """A call of one forward entry point of `variant` (a band, the plain launch or the per-GEMM
+    path, whichever T's default is) on these inputs into an output of its own, made once:
+    what the probes that force an entry time, capture and compare."""
+    out = x.new_empty(x.shape)
+
+    def call():
+        variant._run_forward(entry, x, dict(topk_ids=ids, topk_weights=w), wg, wu, wd, *shared, out)
+        return out
+    return call
+
+
 def _capture(fn):
     """A CUDA graph of fn (the generated op needs no host sync, so it captures): its replay
     time is the GPU time without launch overhead."""

@@ -285,25 +285,21 @@ def per_gemm_ranges(bands: list, points: list[dict], margin: float = PATHS_MARGI
     return ranges
 
 
-def measure_paths(variant_dir: Path, tokens: int) -> dict:
-    """(in its own process, see run_paths) The band's entry and the per-GEMM path at T = tokens:
-    CUDA-graph replays, PATHS_ROUNDS interleaved rounds (bench.time_rounds), and whether they
-    give the same bits."""
+def measure_paths(variant_dir: Path, tokens: int, entry: str) -> dict:
+    """(in its own process, see run_paths) The band's entry (the model's at T = tokens) and the
+    per-GEMM path at T = tokens: CUDA-graph replays, PATHS_ROUNDS interleaved rounds
+    (bench.time_rounds), and whether they give the same bits."""
     import torch
 
-    from .bench import _capture, time_rounds
+    from .bench import _capture, forced_call, time_rounds
     from .runtime import Variant
     from .verify import make_inputs
 
     v = Variant(variant_dir)
-    model = make_plan(v.spec, overrides={k: x for k, x in v.plan["overrides"].items() if k != "per_gemm_tokens"})
-    entry = next(e for t, e in model.launch_bands if tokens <= t)
-    x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, tokens, "uniform", torch.Generator("cuda").manual_seed(tokens))
+    inputs = make_inputs(v.spec, tokens, "uniform", torch.Generator("cuda").manual_seed(tokens))
     outs, calls = {}, {}
     for e in (entry, "forward"):
-        def call(e=e, out=torch.empty_like(x)):
-            v._run_forward(e, x, dict(topk_ids=ids, topk_weights=w), wg, wu, wd, *shared, out)
-            return out
+        call = forced_call(v, e, *inputs)
         outs[e] = call().clone()
         graph = _capture(call)
         if graph is None:
@@ -334,7 +330,8 @@ def run_paths(spec: MoESpec, out: Path, log=print, timeout_s: int = 120) -> dict
     points = []
     tokens = path_tokens(bands)
     for i, T in enumerate(tokens):
-        res = _in_own_process(["--paths", str(variant_dir), str(T)], timeout_s)
+        entry = next(e for t, e in bands if T <= t)
+        res = _in_own_process(["--paths", str(variant_dir), str(T), entry], timeout_s)
         if "error" in res:
             log(f"[{i + 1}/{len(tokens)}] T={T}: FAILED: {res['error']} (its band keeps the single launch there)")
             continue
@@ -349,7 +346,8 @@ def run_paths(spec: MoESpec, out: Path, log=print, timeout_s: int = 120) -> dict
     path = write_text_atomic(paths_record_path(out, spec.variant), json.dumps(record, indent=1, sort_keys=True))
     log(("per-GEMM path at T in " + ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) if ranges else
          "the single launch everywhere it serves (the model's bands kept)") + f"; wrote {path}")
-    if candidates_winner(out, spec) and candidates_winner(out, spec)[0] != base:
+    tuned = candidates_winner(out, spec)
+    if tuned and tuned[0] != base:
         log(f"note: {spec.variant} was built without its candidate search's winner; the record applies to "
             "that Plan only once it is built")
     return record
@@ -359,6 +357,6 @@ if __name__ == "__main__":  # one candidate (see run()), or one T of --paths (ru
     import sys
 
     if sys.argv[1] == "--paths":
-        print(json.dumps(measure_paths(Path(sys.argv[2]), int(sys.argv[3]))))
+        print(json.dumps(measure_paths(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
     else:
         print(json.dumps(measure(Path(sys.argv[1]), [int(t) for t in sys.argv[2].split(",")])))
