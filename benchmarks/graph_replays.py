@@ -3,7 +3,7 @@ Mixtral graph-replay fault (docs/perf.md, "The graph-replay fault on Mixtral, na
 
     python benchmarks/graph_replays.py [--variant V] [--tokens 16,64] [--entries E,E[;E,E]]
                                        [--replays N] [--sync] [--eager] [--no-kept] [--hold]
-                                       [--poison] [--dump]
+                                       [--poison] [--dump] [--guard tail|head]
 
 At each T (in order, in one process): the default entry's eager call, then each entry in
 --entries (the default one first) called eagerly (its bits checked against the default's) and
@@ -17,6 +17,9 @@ for every T or one per T separated by ';'. The knobs isolate what a fault needs:
   --poison   every int buffer of every call filled with 0x3FFFFFFF and every float with NaN
              first (a read before the call writes would index far out or show as non-finite)
   --dump     the dispatch counters (state sets) read back after every capture and replay block
+  --guard    every per-call buffer and dispatch counter, eager or captured, mapped alone against
+             unmapped memory after its end (tail) or before its start (head): guard_pages.py's
+             memory, so that an access out of a buffer faults in a graph's replay too
 Exit status 0 when every replay ran and every entry gave the default's bits.
 """
 import argparse
@@ -39,6 +42,7 @@ def main(argv=None):
     ap.add_argument("--tokens", default="16,64")
     ap.add_argument("--entries", default="forward_fused,forward")
     ap.add_argument("--replays", type=int, default=240)
+    ap.add_argument("--guard", choices=("tail", "head"), default=None)
     for flag in ("sync", "eager", "no-kept", "hold", "poison", "dump"):
         ap.add_argument(f"--{flag}", action="store_true")
     args = ap.parse_args(argv)
@@ -64,9 +68,18 @@ def main(argv=None):
         ap.error(f"{args.variant} has no entry point {', '.join(sorted(unknown))}")
     held = []
     make_workspace = v._workspace
+    mem = None
+    if args.guard:
+        from guard_pages import GuardedMemory  # (this script's folder)
+
+        mem = GuardedMemory(torch.cuda.current_device(), args.guard, 16)
+        make_state = v._new_state_set
+        v._new_state_set = lambda device: {n: mem.like(t) for n, t in make_state(device).items()}
 
     def workspace(*a, **kw):  # (an instance attribute: the runtime's own calls find it)
         ws = make_workspace(*a, **kw)
+        if mem is not None:  # (the guarded copies are never freed: a graph may hold them)
+            ws.update({n: mem.like(t) for n, t in ws.items() if n not in v._state_shapes})
         if args.hold:
             held.append(dict(ws))
         if args.poison:

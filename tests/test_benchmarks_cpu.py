@@ -360,8 +360,17 @@ def test_graph_replays_reads_entries_per_t_and_refuses_bad_arguments_before_any_
     replays = bench_module("graph_replays")
     assert replays.entries_per_t("forward_fused,forward", 2) == [["forward_fused", "forward"]] * 2
     assert replays.entries_per_t("forward;forward_fused", 2) == [["forward"], ["forward_fused"]]
-    for bad in (["--tokens", "16,x"], ["--tokens", "0"], ["--replays", "0"], ["--entries", "a;b;c"]):
+    for bad in (["--tokens", "16,x"], ["--tokens", "0"], ["--replays", "0"], ["--entries", "a;b;c"],
+                ["--guard", "middle"]):
         with pytest.raises(SystemExit) as e:
             replays.main(bad)
         assert e.value.code == 2, bad
 
+
+
+def test_guard_pages_refuses_bad_arguments_before_any_gpu_work():
+    guard = bench_module("guard_pages")
+    for bad in (["--tokens", "16,x"], ["--tokens", "0"], ["--align", "8"], ["--side", "middle"]):
+        with pytest.raises(SystemExit) as e:
+            guard.main(bad)
+        assert e.value.code == 2, bad
