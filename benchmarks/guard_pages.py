@@ -26,8 +26,11 @@ class GuardedMemory:
     (cuMemAddressReserve / cuMemCreate / cuMemMap). Never freed: a probe's process is short."""
 
     def __init__(self, device: int, side: str, align: int):
+        import torch
+
         assert side in ("tail", "head")
         self.side, self.align, self.device = side, align, device
+        torch.empty(1, device=f"cuda:{device}")  # (the driver calls below use torch's current context)
         self.cu = ctypes.CDLL("libcuda.so.1")
         # CUmemAllocationProp: type, requestedHandleTypes, location {type, id}, win32 metadata, allocFlags
         self.prop = (ctypes.c_int * 8)(1, 0, 1, device, 0, 0, 0, 0)  # pinned device memory
