@@ -189,7 +189,11 @@ def forced_call(variant, entry: str, x, ids, w, wg, wu, wd, shared=()):
 
 def _capture(fn):
     """A CUDA graph of fn (the generated op needs no host sync, so it captures): its replay
-    time is the GPU time without launch overhead."""
+    time is the GPU time without launch overhead. The graph holds fn, and so every tensor
+    fn holds that was made outside the capture (forced_call's output): a replay writes
+    where the capture did, and a tensor freed meanwhile is memory the allocator hands on or
+    gives back to the driver (torch.cuda.graph empties the cache before each capture), which
+    made a replay write into another buffer or fault."""
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -199,6 +203,7 @@ def _capture(fn):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
+        g.captured_fn = fn
         return g
     except Exception as e:  # report, never hide, a capture failure
         print(f"  CUDA graph capture failed: {type(e).__name__}: {e}")

@@ -78,6 +78,46 @@ def test_interleaved_rounds_rotate_which_implementation_goes_first(monkeypatch):
     assert best == {"a": 93, "b": 92, "c": 94}
 
 
+def test_a_captured_graph_keeps_what_its_callable_holds_alive(monkeypatch):
+    """A replay writes where the capture did: the output a forced call made outside the
+    capture must live as long as the graph, not as long as the caller's variable (a probe
+    that dropped it had its replays write into freed memory, and fault once torch gave the
+    memory back to the driver)."""
+    import contextlib
+    import gc
+    import weakref
+
+    import mokgen.bench as bench
+
+    class Graph:  # (torch.cuda.CUDAGraph's Python class takes attributes too)
+        def replay(self):
+            pass
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    fake = dict(Stream=Stream, current_stream=Stream, stream=lambda s: contextlib.nullcontext(), CUDAGraph=Graph,
+                graph=lambda g: contextlib.nullcontext())
+    for name, value in fake.items():
+        monkeypatch.setattr(bench.torch.cuda, name, value, raising=False)
+
+    class Out:
+        pass
+
+    def forced(out):
+        return lambda: out
+    out = Out()
+    alive = weakref.ref(out)
+    replay = bench._capture(forced(out)).replay
+    del out
+    gc.collect()
+    assert alive() is not None, "the graph let go of the output its replays write"
+    del replay
+    gc.collect()
+    assert alive() is None
+
+
 def test_bench_rounds_rotate_and_keep_each_implementations_best_round_with_its_energy(monkeypatch):
     """mokgen bench times every implementation in rotating rounds (energy_rounds): each takes
     the first place in turn, and the round with its lowest median is kept with that round's
