@@ -1,5 +1,7 @@
-"""Forward entry points captured in CUDA graphs at several T, then replayed: the repro of the
-Mixtral graph-replay fault (docs/perf.md, "The graph-replay fault on Mixtral, narrowed").
+"""Forward entry points captured in CUDA graphs at several T in one process, then replayed: a
+check that graphs of every entry replay side by side. It found the Mixtral graph-replay fault
+(docs/perf.md, "The graph-replay fault on Mixtral, found": the probes freed the output a graph
+still wrote; bench._capture now keeps it), and its knobs are those that narrowed it.
 
     python benchmarks/graph_replays.py [--variant V] [--tokens 16,64] [--entries E,E[;E,E]]
                                        [--replays N] [--sync] [--eager] [--no-kept] [--hold]

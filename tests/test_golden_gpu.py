@@ -296,6 +296,41 @@ def test_small_calls_keep_their_workspace_and_give_the_same_bits(gen):
     v.check_errors()
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]], ids=["e64", "mixtral"])
+def test_graphs_of_every_forward_entry_replay_side_by_side(shape, gen):
+    """Graphs of T's own entry, the plain launch and the per-GEMM path, captured at T = 16 and
+    then 64 in one process, replay in turn with the default entry's bits, the outputs poisoned
+    before each replay. The caller keeps no reference to the outputs (only weak ones): the
+    graphs hold them. Mixing entries this way faulted while the probes let those outputs be
+    freed (docs/perf.md, "The graph-replay fault on Mixtral, found")."""
+    import weakref
+
+    import mokgen
+    from mokgen.bench import _capture, forced_call
+
+    v = mokgen.load(spec_of(shape))
+    for T in (16, 64):
+        x, ids, w, wg, wu, wd, shared = make_inputs(shape, T, "uniform", gen)
+        want = v.forward(x, ids, w, wg, wu, wd, *shared)
+        graphs = {}
+        for entry in dict.fromkeys([v.forward_entry(T), "forward_fused", "forward"]):
+            call = forced_call(v, entry, x, ids, w, wg, wu, wd, shared)
+            out = call()
+            assert torch.equal(out, want), (T, entry)
+            g = _capture(call)
+            assert g is not None, (T, entry)
+            graphs[entry] = (g, weakref.ref(out))
+            del call, out
+        for _ in range(3):
+            for entry, (g, out) in graphs.items():
+                assert out() is not None, f"T={T} {entry}: the graph let its output go"
+                out().fill_(float("nan"))
+                g.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out(), want), (T, entry)
+    v.check_errors()
+
+
 @pytest.mark.parametrize("T", [64, 1000, 4096])
 def test_device_errors_reach_the_host_from_graph_replays_and_the_next_call(T, gen):
     """A set error code reaches the pinned host word (the single launch's last CTA writes it, the
