@@ -331,6 +331,24 @@ def test_graphs_of_every_forward_entry_replay_side_by_side(shape, gen):
     v.check_errors()
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]], ids=["e64", "mixtral", "shared"])
+def test_forward_entries_stay_inside_their_buffers(shape):
+    """Every buffer of a call (inputs, output, workspace, counters) mapped alone with unmapped
+    memory right after its end, then right before its start (benchmarks/guard_pages.py): T's
+    own entry, the plain launch and the per-GEMM path at odd and band-edge T run without a
+    fault and give the default entry's bits. (Inside torch's cached segments an access past a
+    buffer lands in a neighbour and no checker sees it.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "guard_pages.py"
+    p = subprocess.run([sys.executable, str(script), "--variant", spec_of(shape).variant, "--tokens", "1,7,35,1000"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("the same bits") == p.stdout.count(" ran; ") > 0
+
+
 @pytest.mark.parametrize("T", [64, 1000, 4096])
 def test_device_errors_reach_the_host_from_graph_replays_and_the_next_call(T, gen):
     """A set error code reaches the pinned host word (the single launch's last CTA writes it, the
