@@ -12,11 +12,10 @@ bands' rule where experts spill (docs/perf.md, "Swapped tiles past the largest s
 
 A forced entry runs in the workspace sized for the band that serves T. An entry whose tiles would
 need more rows than that workspace holds for this routing (a band of larger tiles forced at a T
-whose band has smaller ones) is skipped and said so, before anything runs. Not explained yet: on
-Mixtral-8x7B, the plain launch and the per-GEMM path both forced at T = 16 and then at T = 64 end
-in an illegal memory access while the T = 64 graphs replay (either one alone, the other order, or
-T = 16 then 17 do not; every default entry at every T runs clean): docs/perf.md, Next, and
-benchmarks/graph_replays.py, its repro.
+whose band has smaller ones) is skipped and said so, before anything runs. (The illegal memory
+access this probe met on Mixtral-8x7B, forcing entries at T = 16 and then 64, was its own: it
+freed each graph's output; bench._capture now keeps it. docs/perf.md, "The graph-replay fault on
+Mixtral, found".)
 """
 import argparse
 import json

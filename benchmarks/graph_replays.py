@@ -75,13 +75,12 @@ def main(argv=None):
         from guard_pages import GuardedMemory  # (this script's folder)
 
         mem = GuardedMemory(torch.cuda.current_device(), args.guard, 16)
-        make_state = v._new_state_set
-        v._new_state_set = lambda device: {n: mem.like(t) for n, t in make_state(device).items()}
+        mem.guard_state(v)
 
     def workspace(*a, **kw):  # (an instance attribute: the runtime's own calls find it)
         ws = make_workspace(*a, **kw)
-        if mem is not None:  # (the guarded copies are never freed: a graph may hold them)
-            ws.update({n: mem.like(t) for n, t in ws.items() if n not in v._state_shapes})
+        if mem is not None:
+            mem.guard_workspace(v, ws)
         if args.hold:
             held.append(dict(ws))
         if args.poison:

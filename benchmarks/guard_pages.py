@@ -79,6 +79,17 @@ class GuardedMemory:
                                            ctypes.c_size_t(1)), "set access")
         return start + mapped - padded if self.side == "tail" else start
 
+    def guard_state(self, variant) -> None:
+        """Every set of dispatch counters the variant makes from now on in guarded memory."""
+        make = variant._new_state_set
+        variant._new_state_set = lambda device: {n: self.like(t) for n, t in make(device).items()}
+
+    def guard_workspace(self, variant, ws: dict) -> dict:
+        """ws's per-call buffers replaced, in place, by guarded copies (never freed: a CUDA graph
+        may hold them); its state buffers are guard_state's."""
+        ws.update({n: self.like(t) for n, t in ws.items() if n not in variant._state_shapes})
+        return ws
+
     def like(self, t):
         """A guarded copy of t (same dtype, shape and bits)."""
         if t is None or t.numel() == 0:
@@ -103,21 +114,18 @@ def run_cases(args, cases: list, first: int) -> int:
     runtime_variant.KEEP_WORKSPACE_BYTES = 0  # (every call its own workspace, so every one guarded)
     v = mokgen.load(args.variant)
     mem = GuardedMemory(torch.cuda.current_device(), args.side, args.align)
-    make_workspace, make_state = v._workspace, v._new_state_set
-    v._new_state_set = lambda device: {n: mem.like(t) for n, t in make_state(device).items()}
+    mem.guard_state(v)
+    make_workspace = v._workspace
     guarded = [False]
 
     def workspace(*a, **kw):
         ws = make_workspace(*a, **kw)
         if not guarded[0]:
             return ws
-        for name, t in ws.items():
-            if name in v._state_shapes:
-                continue
-            g = mem.like(t)
-            if args.poison and not bool((t == 0).all()):
-                g.fill_(float("nan") if t.dtype.is_floating_point else 0x3FFFFFFF)
-            ws[name] = g
+        mem.guard_workspace(v, ws)
+        for name, g in ws.items():
+            if args.poison and name not in v._state_shapes and not bool((g == 0).all()):
+                g.fill_(float("nan") if g.dtype.is_floating_point else 0x3FFFFFFF)
         return ws
     v._workspace = workspace
 
