@@ -332,6 +332,38 @@ def test_expert_parallel_single_launch_compiles(tmp_path):
         pytest.skip("nvdisasm not installed")
 
 
+def test_late_claims_compile_in_both_producers(tmp_path):
+    """Override claim_late: the single launch's producer claims each next tile right before it
+    publishes it (after the current tile's loads), in the gathering producer (one GPU: the
+    128-row launch and a band) and the TMA one (expert parallel); HGMMA, no spills. The per-GEMM
+    kernels still claim a tile ahead."""
+    import sys
+
+    from mokgen.codegen.render import render, write_tree
+    from mokgen.schedule import make_plan
+
+    ep = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, world_size=2, topology="nvlink")
+    cases = (("one", PRESETS["olmoe"], ["gemm_fused", "gemm_fused_n64"]), ("ep", ep, ["gemm_fused"]))
+    tool = nvdisasm()
+    for d, spec, kernels in cases:
+        files = render(make_plan(spec, overrides={"claim_late": True}))
+        for name in kernels + (["gemm_gateup"] if d == "one" else []):
+            lines = files[f"{name}.py"].splitlines()
+            at = [i for i, line in enumerate(lines) if "claimed = sched_claim(counter)" in line]
+            late = [i for i in at if "sched_publish(" in lines[i + 1]]
+            assert len(at) == 1 and late == (at if name.startswith("gemm_fused") else []), (d, name)
+        write_tree(files, tmp_path / f"v{d}")
+        subprocess.run([sys.executable, "-m", "mokgen.codegen.compile_worker", str(tmp_path / f"v{d}"),
+                        str(tmp_path / f"b{d}"), *kernels], check=True, capture_output=True)
+        if tool is not None:
+            for name in kernels:
+                sass = subprocess.run([tool, str(tmp_path / f"b{d}" / f"{name}.cubin")], capture_output=True,
+                                      text=True, check=True).stdout
+                assert "HGMMA" in sass and not any(op in sass for op in ("LDL", "STL")), (d, name)
+    if tool is None:
+        pytest.skip("nvdisasm not installed")
+
+
 @pytest.mark.parametrize("world", [4, 8, 72])
 def test_exchange_compiles_for_larger_nvlink_domains(tmp_path, world):
     """N=4 and N=8 (the DeepSeek-V3 layer) and an NVL72 domain are planned and their exchange,

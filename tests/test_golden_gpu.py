@@ -655,7 +655,8 @@ def test_fused_launch_captures_and_replays_with_new_inputs(gen):
 #             fused_max_tokens tokens);
 #   apart:    the fused launch after the two dispatch kernels (the default dispatches inside it).
 SAME_BITS_EXPERIMENTS = {"cluster2": {"cluster_m": 2}, "per_expert": {"dispatch_chunked": False},
-                         "multi": {"fuse_gemms": False}, "apart": {"dispatch_in_launch": False}}
+                         "multi": {"fuse_gemms": False}, "apart": {"dispatch_in_launch": False},
+                         "claim_late": {"claim_late": True}}
 
 
 def experiment_dir(name):

@@ -406,6 +406,27 @@ def test_discard_consumed_marks_the_swapped_tiles_early_combines():
         make_plan(spec, overrides={"discard_h_early": "yes"})
 
 
+def test_claim_late_is_an_override_of_the_single_launches_gemms():
+    """Override claim_late: every single launch (the bands and the routing twins too, one GPU or
+    several) claims its next tile once its current tile's loads are issued; the per-GEMM
+    kernels and the dispatch kernels keep claiming a tile ahead. Off by default (not yet
+    measured faster: docs/perf.md)."""
+    from mokgen.schedule.single_launch import CLAIM_LATE
+
+    assert CLAIM_LATE is False
+    spec = PRESETS["mixtral-8x7b"]
+    assert not any(k.params.get("claim_late") for k in make_plan(spec).kernels)
+    plan = make_plan(spec, overrides={"claim_late": True})
+    late = {k.name for k in plan.kernels if k.params.get("claim_late")}
+    assert late == {k.name for k in plan.kernels if k.name.startswith("gemm_fused")}
+    assert {"gemm_fused", "gemm_fused_routed", "gemm_fused_n64", "gemm_fused_n160_routed"} <= late
+    assert any("claims its next tile" in d for d in plan.decisions)
+    assert {k.name for k in make_plan(EP2, overrides={"claim_late": True}).kernels
+            if k.params.get("claim_late")} == {"gemm_fused"}
+    with pytest.raises(PlanError, match="true or false"):
+        make_plan(spec, overrides={"claim_late": 1})
+
+
 def test_weight_pairs_where_two_k_blocks_fit():
     """Weight pairs (the TMA thread loads two 64-wide K blocks' weights together) go to the swapped
     tiles of 64-wide K blocks whose every K is a whole number of pairs and whose stages leave one

@@ -544,7 +544,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
                            r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status"
-                           r"|discard_consumed|discard_what|discard_h_early|per_gemm_tokens"
+                           r"|discard_consumed|discard_what|discard_h_early|per_gemm_tokens|claim_late"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|(gemm_gateup|bwd_dgrad_down)\.gather_lag|gemm_fused\.wave_lag")
@@ -562,7 +562,7 @@ def check_overrides(overrides: dict) -> None:
                    "ep_overlap", "gemm_returns", "gemm_sends", "ep_fused_combine", "dispatch_in_launch",
                    "fused_small", "launch_local_count", "launch_chunked", "weights_evict_first",
                    "rows_evict_last", "weight_pairs", "combine_early", "mirror_status", "discard_consumed",
-                   "discard_h_early"):
+                   "discard_h_early", "claim_late"):
             if not isinstance(value, bool):
                 raise PlanError(f"{key} must be true or false")
             continue

@@ -332,6 +332,10 @@ def launch_policies(kernels: list, spec: MoESpec, target: Target, paths: Paths, 
                 k.params = dict(k.params, discard_consumed=True, discard_what=ov.get("discard_what", "all"),
                                 discard_h_early=ov.get("discard_h_early",
                                                        k.params["tile_m"] >= DISCARD_H_EARLY_ROWS))
+        if k.params.get("fused") and k.stage == "gemm" and ov.get("claim_late", CLAIM_LATE):
+            # Each CTA claims its next tile once its current tile's loads are all issued, not as the
+            # tile starts: see the template's note (templates/gemm_producer.py.j2, late_claim_note).
+            k.params = dict(k.params, claim_late=True)
         if k.params.get("fused") and k.params.get("dispatch") and paths.fused_combine and paths.mirror_status:
             # The single launch is its entry's only kernel: its last CTA mirrors the error code.
             k.params = dict(k.params, mirror_status=True, finished_slot=counters.slot("launch_done"))
@@ -361,6 +365,9 @@ def launch_policies(kernels: list, spec: MoESpec, target: Target, paths: Paths, 
                                              "lines too, or in the bands of "
                                              f"{DISCARD_H_EARLY_ROWS} rows and more the M tile's last down tile "
                                              "does once stored; no scratch row goes back to HBM"),
+                        ("claim_late", "each CTA claims its next tile once the current tile's loads are "
+                                       "issued, not as it starts (a long tile claimed a whole tile ahead can leave "
+                                       "one SM two tiles in a row while others have none)"),
                         ("mirror_status", "the launch's last CTA copies a set error code to the runtime's pinned "
                                           "host word itself (no status_mirror launch behind the call)")):
         marked = [k.name for k in kernels if k.params.get(param) and not k.name.endswith("_routed")]
@@ -396,6 +403,12 @@ COMBINE_EARLY = True
 # H100 1.00x / 1.04x / 1.06x / 1.03x (E64) and 1.00x / 1.05x / 1.00x (E40), each part (token rows,
 # padding rows) paying alone. The plain 128-row launch is left out: at T = 2048 it was 0.98x.
 DISCARD_CONSUMED = True
+# Whether a single launch's CTAs claim their next tile late (once the current tile's loads are all
+# issued) instead of as the current tile starts. Off until measured: the profile of Mixtral-8x7B's
+# launch at T = 172 and 380 (H100) has the CTAs that reached the down tiles first claim a second
+# one a whole down tile (250-300 us) ahead, so 3-7 SMs ran two down tiles in a row, ending 60-75
+# us after the rest, while 7-11 SMs had none (docs/perf.md). Override claim_late: true builds it.
+CLAIM_LATE = False
 # Where h's lines leave L2: in bands of at least this many rows a tile, from the M tile's last down
 # tile as soon as it is stored (h's last readers are the tile's down tiles); in smaller bands from
 # the combine tasks with y's, later (override discard_h_early: true or false, every band). Where h
