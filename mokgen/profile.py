@@ -95,17 +95,32 @@ def _union(intervals) -> float:
     return total
 
 
+def is_tiles(kind: str) -> bool:
+    """Whether a record kind is GEMM tiles: a single launch's "<launch> gate/up tiles" and the
+    like, or a per-GEMM kernel's records."""
+    launch, _, what = kind.partition(" ")
+    return what in set(KIND_LABELS.values()) | {"tiles"} or (
+        not what and kind.startswith(("gemm_", "shared_", "bwd_dgrad", "bwd_recompute", "wgrad_")))
+
+
 def tile_groups(records: dict) -> dict:
     """The record kinds that are GEMM tiles, grouped per launch: a single launch's tile kinds
     ("<launch> gate/up tiles", ...) together, each per-GEMM kernel on its own."""
     groups: dict[str, list] = {}
-    labels = set(KIND_LABELS.values()) | {"tiles"}
     for k, rows in records.items():
-        launch, _, what = k.partition(" ")
-        if what in labels or (not what and k.startswith(("gemm_", "shared_", "bwd_dgrad", "bwd_recompute",
-                                                             "wgrad_"))):
-            groups.setdefault(launch, []).extend(rows)
+        if is_tiles(k):
+            groups.setdefault(k.partition(" ")[0], []).extend(rows)
     return groups
+
+
+def tiles_per_sm(rows, sms: int) -> dict:
+    """How many SMs ran how many of these tiles: {tiles: SMs}, SMs with none included. Where tiles
+    are long and about as many as the SMs, an SM with two while another has none is the tail
+    (a CTA claims its next tile a tile ahead: docs/perf.md, Mixtral's down tiles)."""
+    counts = [0] * sms
+    for sm, _, _ in rows:
+        counts[sm] += 1
+    return {n: counts.count(n) for n in sorted(set(counts))}
 
 
 def tail(rows) -> dict:
@@ -129,7 +144,8 @@ def summarize(records: dict, sms: int) -> dict:
     idle = [span - b for b in busy]
     return dict(span_us=span, kernels=kernels, sm_busy_us=busy, idle_us_total=sum(idle),
                 idle_fraction=sum(idle) / (span * sms),
-                tails={g: tail(rows) for g, rows in tile_groups(records).items()})
+                tails={g: tail(rows) for g, rows in tile_groups(records).items()},
+                per_sm={k: tiles_per_sm(rows, sms) for k, rows in records.items() if is_tiles(k)})
 
 
 def format_summary(name: str, tokens: int, summary: dict) -> str:
@@ -144,6 +160,8 @@ def format_summary(name: str, tokens: int, summary: dict) -> str:
     for g, t in summary.get("tails", {}).items():
         lines.append(f"  tail of {g}: SMs' last tiles end {t['first_end_us']:.1f}-{t['last_end_us']:.1f} us, "
                      f"{t['mean_before_last_us']:.1f} us before the last on average")
+    for k, spread in summary.get("per_sm", {}).items():
+        lines.append(f"  {k} per SM: " + ", ".join(f"{n} on {c} SM{'s' * (c != 1)}" for n, c in spread.items()))
     return "\n".join(lines)
 
 

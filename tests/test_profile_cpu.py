@@ -57,6 +57,19 @@ def test_tail_groups_per_gemm_kernels_apart():
     assert s["tails"]["gemm_gateup"] == dict(first_end_us=5.0, last_end_us=9.0, mean_before_last_us=2.0)
 
 
+def test_profile_counts_each_kinds_tiles_per_sm():
+    """Which SMs ran how many tiles of each kind, SMs with none included: an SM with two long down
+    tiles while another has none is what made Mixtral's single launch lose at T = 380."""
+    records = {"gemm_fused dispatch": [(0, 0.0, 1.0), (1, 0.0, 1.0), (2, 0.0, 1.0)],
+               "gemm_fused gate/up tiles": [(0, 1.0, 5.0), (1, 1.0, 5.0), (2, 1.0, 9.0)],
+               "gemm_fused down tiles": [(0, 5.0, 30.0), (0, 30.0, 50.0), (1, 5.0, 30.0)]}
+    s = summarize(records, 3)
+    assert s["per_sm"] == {"gemm_fused gate/up tiles": {1: 3}, "gemm_fused down tiles": {0: 1, 1: 1, 2: 1}}
+    text = format_summary("mixtral", 380, s)
+    assert "gemm_fused down tiles per SM: 0 on 1 SM, 1 on 1 SM, 2 on 1 SM" in text
+    assert "dispatch per SM" not in text
+
+
 def test_single_launch_with_a_shared_expert_splits_its_tiles_too():
     spec = MoESpec(experts=16, topk=4, hidden=1024, intermediate=512, shared_intermediate=768)
     plan = make_plan(spec, overrides={"profile": True})
