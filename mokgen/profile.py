@@ -95,11 +95,14 @@ def _union(intervals) -> float:
     return total
 
 
+TILE_LABELS = frozenset(KIND_LABELS.values()) | {"tiles"}  # (a single launch's tile kinds; "tiles": wavefront order)
+
+
 def is_tiles(kind: str) -> bool:
     """Whether a record kind is GEMM tiles: a single launch's "<launch> gate/up tiles" and the
     like, or a per-GEMM kernel's records."""
-    launch, _, what = kind.partition(" ")
-    return what in set(KIND_LABELS.values()) | {"tiles"} or (
+    what = kind.partition(" ")[2]
+    return what in TILE_LABELS or (
         not what and kind.startswith(("gemm_", "shared_", "bwd_dgrad", "bwd_recompute", "wgrad_")))
 
 
