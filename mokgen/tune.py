@@ -21,12 +21,16 @@ model gives every T up to FUSED_MAX_TOKENS to the single launch. --paths times b
 built variant, at points across every band (path_tokens), each T in its own process, and writes
 <out>/tuning/<variant>.paths.json: the T ranges where the per-GEMM path was faster by more than
 PATHS_MARGIN with the same bits (Plan override per_gemm_tokens). The next build applies it; no
-kernel changes, so that build only rewrites the manifest (tune --paths runs it).
+kernel changes, so that build only rewrites the manifest (tune --paths runs it). The record keeps
+a hash of the Plan's kernels it was measured in (plan_key): once a change of the Plan's defaults
+gives the layer other kernels, the record is stale and no longer applied (a warning says so).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import warnings
 from pathlib import Path
 
 from .files import write_text_atomic
@@ -233,6 +237,10 @@ def winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
     overrides, source = found or ({}, "")
     rec = _read_record(paths_record_path(out, spec.variant), spec)
     if rec is not None and rec["base_overrides"] == overrides and rec["per_gemm_tokens"]:
+        if rec.get("plan_key") != plan_key(spec, overrides):
+            warnings.warn(f"tuning/{spec.variant}.paths.json was measured in other kernels than today's Plan "
+                          f"gives: not applied; run `mokgen tune {spec.variant} --paths` again", stacklevel=2)
+            return (overrides, source) if source else None
         overrides = {**overrides, "per_gemm_tokens": rec["per_gemm_tokens"]}
         source = "; ".join(filter(None, [source, f"tuning/{spec.variant}.paths.json ({rec['device']})"]))
     return (overrides, source) if source else None
@@ -245,6 +253,13 @@ PATHS_MARGIN = 0.02
 PATHS_ROUNDS = 3
 # Points are at most this ratio of T apart inside a band (and one in every band).
 PATHS_STEP = 1.3
+
+
+def plan_key(spec: MoESpec, overrides: dict) -> str:
+    """A hash of the kernels (each one's template and parameters) of the Plan `overrides` give:
+    what a paths record's times were measured in (per_gemm_tokens changes no kernel)."""
+    kernels = make_plan(spec, overrides=overrides).to_dict()["kernels"]
+    return hashlib.sha256(json.dumps(kernels, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def paths_record_path(out: Path, variant: str) -> Path:
@@ -341,7 +356,8 @@ def run_paths(spec: MoESpec, out: Path, log=print, timeout_s: int = 120) -> dict
             f"({e / f:.3f}x){'' if res['same_bits'] else '  OTHER BITS: not eligible'}")
     ranges = per_gemm_ranges(bands, points)
     record = dict(format=RECORD_FORMAT, variant=spec.variant, spec=spec.to_dict(), device=device,
-                  torch=torch.__version__, base_overrides=base, launch_bands=bands, margin=PATHS_MARGIN,
+                  torch=torch.__version__, base_overrides=base, plan_key=plan_key(spec, base), launch_bands=bands,
+                  margin=PATHS_MARGIN,
                   points=points, per_gemm_tokens=ranges)
     path = write_text_atomic(paths_record_path(out, spec.variant), json.dumps(record, indent=1, sort_keys=True))
     log(("per-GEMM path at T in " + ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) if ranges else

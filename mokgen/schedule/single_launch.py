@@ -332,7 +332,7 @@ def launch_policies(kernels: list, spec: MoESpec, target: Target, paths: Paths, 
                 k.params = dict(k.params, discard_consumed=True, discard_what=ov.get("discard_what", "all"),
                                 discard_h_early=ov.get("discard_h_early",
                                                        k.params["tile_m"] >= DISCARD_H_EARLY_ROWS))
-        if k.params.get("fused") and k.stage == "gemm" and ov.get("claim_late", CLAIM_LATE):
+        if k.params.get("fused") and k.stage == "gemm" and ov.get("claim_late", claims_late(spec)):
             # Each CTA claims its next tile once its current tile's loads are all issued, not as the
             # tile starts: see the template's note (templates/gemm_producer.py.j2, late_claim_note).
             k.params = dict(k.params, claim_late=True)
@@ -403,12 +403,21 @@ COMBINE_EARLY = True
 # H100 1.00x / 1.04x / 1.06x / 1.03x (E64) and 1.00x / 1.05x / 1.00x (E40), each part (token rows,
 # padding rows) paying alone. The plain 128-row launch is left out: at T = 2048 it was 0.98x.
 DISCARD_CONSUMED = True
-# Whether a single launch's CTAs claim their next tile late (once the current tile's loads are all
-# issued) instead of as the current tile starts. Off until measured: the profile of Mixtral-8x7B's
-# launch at T = 172 and 380 (H100) has the CTAs that reached the down tiles first claim a second
-# one a whole down tile (250-300 us) ahead, so 3-7 SMs ran two down tiles in a row, ending 60-75
-# us after the rest, while 7-11 SMs had none (docs/perf.md). Override claim_late: true builds it.
-CLAIM_LATE = False
+# Where a single launch's CTAs claim their next tile late (once the current tile's loads are all
+# issued) instead of as the current tile starts: layers whose longest GEMM reduction (max(H, I))
+# is at least this. A CTA that claims a long tile a whole tile ahead can run two in a row while
+# others have none: Mixtral-8x7B's down tiles (K = 14336, 250-320 us) left 3-7 SMs ending 60-80 us
+# after the rest at T = 172 and 380 (H100 profiles). Claiming late, measured on an H200 (CUDA
+# graphs, 3 interleaved rounds, best round's median, the same bits; docs/perf.md): Mixtral
+# 1.050x / 1.102x / 1.089x / 1.080x / 1.042x / 1.003x / 1.025x at T = 172 / 298 / 380 / 550 / 651 /
+# 1000 / 1800, 0.95-1.02x at 729 over three runs; E256 (K = 7168) 1.000x / 0.999x, E128 and E64
+# (2048) 0.997-1.005x and 0.991-1.002x (E64 0.93-0.97x in the per-round medians at T = 2048-4096).
+# E40's 1.10x / 1.05x at T = 64 / 256 is not understood yet, so not taken. Override claim_late.
+CLAIM_LATE_MIN_K = 8192
+
+
+def claims_late(spec: MoESpec) -> bool:
+    return max(spec.hidden, spec.intermediate) >= CLAIM_LATE_MIN_K
 # Where h's lines leave L2: in bands of at least this many rows a tile, from the M tile's last down
 # tile as soon as it is stored (h's last readers are the tile's down tiles); in smaller bands from
 # the combine tasks with y's, later (override discard_h_early: true or false, every band). Where h
