@@ -357,8 +357,7 @@ def run_paths(spec: MoESpec, out: Path, log=print, timeout_s: int = 120) -> dict
     ranges = per_gemm_ranges(bands, points)
     record = dict(format=RECORD_FORMAT, variant=spec.variant, spec=spec.to_dict(), device=device,
                   torch=torch.__version__, base_overrides=base, plan_key=plan_key(spec, base), launch_bands=bands,
-                  margin=PATHS_MARGIN,
-                  points=points, per_gemm_tokens=ranges)
+                  margin=PATHS_MARGIN, points=points, per_gemm_tokens=ranges)
     path = write_text_atomic(paths_record_path(out, spec.variant), json.dumps(record, indent=1, sort_keys=True))
     log(("per-GEMM path at T in " + ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) if ranges else
          "the single launch everywhere it serves (the model's bands kept)") + f"; wrote {path}")

@@ -417,7 +417,10 @@ CLAIM_LATE_MIN_K = 8192
 
 
 def claims_late(spec: MoESpec) -> bool:
+    """Whether the single launches of `spec` claim late by default (override claim_late)."""
     return max(spec.hidden, spec.intermediate) >= CLAIM_LATE_MIN_K
+
+
 # Where h's lines leave L2: in bands of at least this many rows a tile, from the M tile's last down
 # tile as soon as it is stored (h's last readers are the tile's down tiles); in smaller bands from
 # the combine tasks with y's, later (override discard_h_early: true or false, every band). Where h
