@@ -406,26 +406,33 @@ def test_discard_consumed_marks_the_swapped_tiles_early_combines():
         make_plan(spec, overrides={"discard_h_early": "yes"})
 
 
-def test_single_launches_of_long_reductions_claim_late():
-    """A single launch (the bands and the routing twins too, one GPU or several) claims its next
-    tile once its current tile's loads are issued where the layer's longest GEMM reduction is at
-    least CLAIM_LATE_MIN_K (Mixtral-8x7B: measured faster, docs/perf.md); elsewhere, and in the
-    per-GEMM and dispatch kernels, a tile ahead. Override claim_late turns it on or off."""
-    from mokgen.schedule.single_launch import CLAIM_LATE_MIN_K, claims_late
+def test_single_launches_claim_late_where_the_tile_loop_model_says():
+    """A single launch (the bands and the routing twins too) claims its next tile once its current
+    tile's loads are issued where the tile-loop model predicts the loop claimed ahead at least
+    CLAIM_LATE_MIN_GAIN longer somewhere in the T it serves (Mixtral-8x7B, E40 K6: measured faster,
+    docs/perf.md); elsewhere (OLMoE, E256, E32), with a shared expert, and in the per-GEMM and
+    dispatch kernels, a tile ahead. Override claim_late turns it on or off."""
+    from mokgen.schedule.single_launch import CLAIM_LATE_MIN_GAIN
 
     def late(spec, **ov):
         return {k.name for k in make_plan(spec, overrides=ov).kernels if k.params.get("claim_late")}
 
+    def fused(spec):
+        return {k.name for k in make_plan(spec).kernels if k.name.startswith("gemm_fused")}
+
     mixtral, olmoe = PRESETS["mixtral-8x7b"], PRESETS["olmoe"]
-    assert claims_late(mixtral) and not claims_late(olmoe) and not claims_late(PRESETS["deepseek-v3"])
-    assert max(mixtral.hidden, mixtral.intermediate) >= CLAIM_LATE_MIN_K > 7168
+    e40 = MoESpec(experts=40, topk=6, hidden=1536, intermediate=640)
     plan = make_plan(mixtral)
-    assert late(mixtral) == {k.name for k in plan.kernels if k.name.startswith("gemm_fused")}
+    assert late(mixtral) == fused(mixtral) and late(e40) == fused(e40)
     assert {"gemm_fused", "gemm_fused_routed", "gemm_fused_n64", "gemm_fused_n160_routed"} <= late(mixtral)
-    assert any("claims its next tile" in d for d in plan.decisions)
-    assert late(mixtral, claim_late=False) == set() and late(olmoe) == set()
-    assert late(olmoe, claim_late=True) == {k.name for k in make_plan(olmoe).kernels
-                                            if k.name.startswith("gemm_fused")}
+    why = next(d for d in plan.decisions if "claims its next tile" in d)
+    gain = float(why.split("the tile-loop model: ")[1].split("x")[0])
+    assert gain >= CLAIM_LATE_MIN_GAIN
+    for spec in (olmoe, MoESpec(experts=256, topk=8, hidden=7168, intermediate=2048),
+                 MoESpec(experts=32, topk=8, hidden=2048, intermediate=1024), PRESETS["deepseek-v2-lite"]):
+        assert late(spec) == set(), spec
+    assert late(mixtral, claim_late=False) == set()
+    assert late(olmoe, claim_late=True) == fused(olmoe)
     assert late(EP2) == set() and late(EP2, claim_late=True) == {"gemm_fused"}
     with pytest.raises(PlanError, match="true or false"):
         make_plan(mixtral, overrides={"claim_late": 1})

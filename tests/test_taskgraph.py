@@ -2,7 +2,7 @@ import pytest
 
 from mokgen.ir import PRESETS, MoESpec
 from mokgen.schedule import H200, make_plan
-from mokgen.schedule.taskgraph import simulate, task_costs_us
+from mokgen.schedule.taskgraph import simulate, task_costs_us, tile_loop_us
 
 SPECS = [PRESETS["olmoe"], PRESETS["deepseek-v3"], MoESpec(experts=40, topk=6, hidden=1536, intermediate=640)]
 
@@ -125,3 +125,23 @@ def test_wavefront_order_claims_every_tile_once_and_each_down_tile_after_its_gat
             seen[m] = seen.get(m, 0) + 1
     if used_m > lag:  # the first down tile comes after lag M tiles of gate/up tiles, not after all
         assert order.index(("down", 0, 0)) == (lag + 1) * ng
+
+
+def test_tile_loop_model_claims():
+    """The tile-loop model (taskgraph.tile_loop_us): every tile's work is done either way and
+    nothing ends before its share of the SMs allows; a down tile starts after its M tile's gate/up
+    tiles; claimed ahead, E40's three tiles an SM hold some down tiles behind a wait (longer), where
+    uniform tiles of equal cost (OLMoE) schedule the same; the same answer every call."""
+    for claim_late in (False, True):
+        # 1 SM: every tile in a row, the sum of their costs
+        assert tile_loop_us(3, 2, 4, 5.0, 1.0, 1, claim_late) == pytest.approx(3 * (2 * 5.0 + 4 * 1.0))
+        # as many SMs as gate/up tiles: one wave of them, then the down tiles
+        assert tile_loop_us(2, 4, 8, 10.0, 3.0, 8, claim_late) == pytest.approx(10.0 + 2 * 3.0)
+    e40 = (40, 5, 6, 24.3, 10.1, 132)
+    assert tile_loop_us(*e40, claim_late=False) > 1.1 * tile_loop_us(*e40, claim_late=True)
+    olmoe = (64, 8, 8, 32.4, 16.2, 132)
+    assert tile_loop_us(*olmoe, claim_late=False) == pytest.approx(tile_loop_us(*olmoe, claim_late=True))
+    tile_loop_us.cache_clear()
+    a = tile_loop_us(*olmoe, claim_late=False, spread=0.15, seed=3)
+    tile_loop_us.cache_clear()
+    assert tile_loop_us(*olmoe, claim_late=False, spread=0.15, seed=3) == a

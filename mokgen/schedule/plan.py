@@ -33,7 +33,7 @@ from .gemms import GemmMaker
 from .records import (PLAN_FORMAT, SHARED_ROWS, VEC, Buffer, KernelArg, KernelPlan, Plan, PlanError, _expr,
                       simt_threads)
 from .single_launch import (COMBINE_EARLY, FUSED_MAX_TOKENS, fused_gemm, fused_misfit, launch_policies,
-                            per_gemm_bands, single_launches)
+                            per_gemm_bands, served_ranges, single_launches)
 from .status import MIRROR_STATUS, RUNTIME_TENSORS, WAIT_TIMEOUT_MS, mirror_status_by_last_kernels, status_mirror
 from .target import Target, target_for
 from .taskgraph import forward_task_graph, fused_tile_order, gemm_model_params
@@ -187,7 +187,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                                     counters.slot("xs_copy"))
         if ep and exchange[1]:
             side_stream += ["ep_send_bwd", "ep_send_bwd_grad", "ep_send_bwd_x", "ep_return_bwd"]
-    launch_policies(kernels, spec, target, paths, counters, ov, decisions)
+    launch_policies(kernels, spec, target, paths, counters, ov, decisions,
+                    served_ranges(kernels, bands, EP_FUSED_MAX_TOKENS if ep else FUSED_MAX_TOKENS))
     profiling(kernels, steps, buffers, spec, target, m_tiles, s_tiles, chunked, ov, decisions)
 
     steps["route"] = ["route"]

@@ -17,6 +17,7 @@ from .dispatch import chunk_scratch
 from .gemms import class_name
 from .records import VEC, Buffer, KernelArg, KernelPlan, PlanError, _expr
 from .target import Target
+from .taskgraph import claim_late_gain
 from .tiling import SWAP_TILE_N, TILE_K
 
 if TYPE_CHECKING:
@@ -316,10 +317,13 @@ def swapped_bands(gemm: GemmMaker, bands: list, spec: MoESpec, counters: Counter
 
 
 def launch_policies(kernels: list, spec: MoESpec, target: Target, paths: Paths, counters: Counters, ov: dict,
-                    decisions: list) -> None:
+                    decisions: list, served: list) -> None:
     """What the single launches do besides their tiles, set on every launch that has them (the
     bands and the routing twins too): the combine's unroll and early start, the error code's
-    copy by the last CTA, and the swapped tiles' L2 policies and paired weight loads."""
+    copy by the last CTA, when each CTA claims its next tile, and the swapped tiles' L2 policies
+    and paired weight loads. `served`: served_ranges, the T each single launch serves."""
+    late, why_late = (ov["claim_late"], "override claim_late") if "claim_late" in ov else \
+        claims_late(spec, target, served)
     for k in kernels:
         if k.params.get("combine") and "combine_unroll" in ov:
             k.params = dict(k.params, combine_unroll=ov["combine_unroll"])
@@ -332,7 +336,7 @@ def launch_policies(kernels: list, spec: MoESpec, target: Target, paths: Paths, 
                 k.params = dict(k.params, discard_consumed=True, discard_what=ov.get("discard_what", "all"),
                                 discard_h_early=ov.get("discard_h_early",
                                                        k.params["tile_m"] >= DISCARD_H_EARLY_ROWS))
-        if k.params.get("fused") and k.stage == "gemm" and ov.get("claim_late", claims_late(spec)):
+        if k.params.get("fused") and k.stage == "gemm" and late:
             # Each CTA claims its next tile once its current tile's loads are all issued, not as the
             # tile starts: see the template's note (templates/gemm_producer.py.j2, late_claim_note).
             k.params = dict(k.params, claim_late=True)
@@ -366,8 +370,8 @@ def launch_policies(kernels: list, spec: MoESpec, target: Target, paths: Paths, 
                                              f"{DISCARD_H_EARLY_ROWS} rows and more the M tile's last down tile "
                                              "does once stored; no scratch row goes back to HBM"),
                         ("claim_late", "each CTA claims its next tile once the current tile's loads are "
-                                       "issued, not as it starts (a long tile claimed a whole tile ahead can leave "
-                                       "one SM two tiles in a row while others have none)"),
+                                       "issued, not as it starts (a tile claimed ahead waits behind the current "
+                                       f"tile's wait and MMAs while other SMs may have none: {why_late})"),
                         ("mirror_status", "the launch's last CTA copies a set error code to the runtime's pinned "
                                           "host word itself (no status_mirror launch behind the call)")):
         marked = [k.name for k in kernels if k.params.get(param) and not k.name.endswith("_routed")]
@@ -404,21 +408,49 @@ COMBINE_EARLY = True
 # padding rows) paying alone. The plain 128-row launch is left out: at T = 2048 it was 0.98x.
 DISCARD_CONSUMED = True
 # Where a single launch's CTAs claim their next tile late (once the current tile's loads are all
-# issued) instead of as the current tile starts: layers whose longest GEMM reduction (max(H, I))
-# is at least this. A CTA that claims a long tile a whole tile ahead can run two in a row while
-# others have none: Mixtral-8x7B's down tiles (K = 14336, 250-320 us) left 3-7 SMs ending 60-80 us
-# after the rest at T = 172 and 380 (H100 profiles). Claiming late, measured on an H200 (CUDA
-# graphs, 3 interleaved rounds, best round's median, the same bits; docs/perf.md): Mixtral
-# 1.050x / 1.102x / 1.089x / 1.080x / 1.042x / 1.003x / 1.025x at T = 172 / 298 / 380 / 550 / 651 /
-# 1000 / 1800, 0.95-1.02x at 729 over three runs; E256 (K = 7168) 1.000x / 0.999x, E128 and E64
-# (2048) 0.997-1.005x and 0.991-1.002x (E64 0.93-0.97x in the per-round medians at T = 2048-4096).
-# E40's 1.10x / 1.05x at T = 64 / 256 is not understood yet, so not taken. Override claim_late.
-CLAIM_LATE_MIN_K = 8192
+# issued) instead of as the current tile starts: where the tile-loop model (taskgraph.py,
+# tile_loop_us) predicts the loop claimed ahead at least this much longer at either end of a band's
+# T range. A CTA that claims a tile ahead holds it behind its current tile's wait and MMAs: a long
+# tile can then run after another long tile while other SMs have none (Mixtral-8x7B's down tiles,
+# K = 14336, 250-320 us: 3-7 SMs ending 60-80 us after the rest at T = 172 and 380, H100
+# profiles), and a down tile that waits for its M tile's gate/up tiles holds the tile behind it
+# for that wait too (E40: about 3 tiles per SM). Claiming late, measured on an H200 (CUDA graphs,
+# 3 interleaved rounds, best round's median, the same bits; docs/perf.md): Mixtral 1.050x /
+# 1.102x / 1.089x / 1.080x / 1.042x / 1.003x / 1.025x at T = 172 / 298 / 380 / 550 / 651 / 1000 /
+# 1800, 0.95-1.02x at 729 over three runs; E40 K6 H1536 I640 1.099x / 1.048x / 0.999x / 0.996x
+# at T = 64 / 256 / 1024 / 2048; E256 1.000x / 0.999x, E128 and E64 0.997-1.005x and
+# 0.991-1.002x (E64 0.93-0.97x in the per-round medians at T = 2048-4096). The model, tiles'
+# times spread +-15%: Mixtral 1.20x at T <= 467, E40 1.17x at T <= 746; E64, E128, E256 and
+# E16 K4 at most 1.01x. Not modelled with a shared expert's tiles (claimed ahead there).
+# Override claim_late sets it either way.
+CLAIM_LATE_MIN_GAIN = 1.05
+TILE_TIME_SPREAD = 0.15  # each tile's time within +-15% of its kind's cost in the model
+TILE_TIME_DRAWS = 4  # the model's gain is the mean over this many seeded draws
 
 
-def claims_late(spec: MoESpec) -> bool:
-    """Whether the single launches of `spec` claim late by default (override claim_late)."""
-    return max(spec.hidden, spec.intermediate) >= CLAIM_LATE_MIN_K
+def claims_late(spec: MoESpec, target: Target, served: list) -> tuple[bool, str]:
+    """Whether the single launches of `spec` claim late by default (override claim_late), and
+    the model's figure behind it. `served`: (lowest T, highest T, fused kernel params) of each
+    band of the single launch."""
+    if spec.shared_intermediate or not served:
+        return False, ""
+    gain, at = max((claim_late_gain(spec, p, target, t, TILE_TIME_SPREAD, TILE_TIME_DRAWS), t)
+                   for lo, hi, p in served for t in (lo, hi))
+    return gain >= CLAIM_LATE_MIN_GAIN, f"the tile-loop model: {gain:.2f}x at T = {at}"
+
+
+def served_ranges(kernels: list, bands: list, top: int) -> list:
+    """(lowest T, highest T, params) of each single launch by the bands of T it serves (`bands`:
+    (highest T, token rows of its swapped tiles or 0 for the plain launch)); without bands the
+    plain launch serves T up to `top`."""
+    fused = {k.name: k.params for k in kernels if k.params.get("fused") and k.stage == "gemm"}
+    if not bands:
+        return [(1, top, fused["gemm_fused"])] if "gemm_fused" in fused else []
+    out, lo = [], 1
+    for hi, rows in bands:
+        out.append((lo, hi, fused[f"gemm_fused_n{rows}" if rows else "gemm_fused"]))
+        lo = hi + 1
+    return out
 
 
 # Where h's lines leave L2: in bands of at least this many rows a tile, from the M tile's last down

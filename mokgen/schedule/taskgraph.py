@@ -10,6 +10,7 @@ and `mokgen show --png` draws).
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import asdict, dataclass, field
@@ -327,3 +328,50 @@ def simulate(spec, plan_params: dict, target: Target, tokens: int, fused: bool =
     done["makespan_us"] = end
     done["events"] = events
     return done
+
+
+@functools.lru_cache(maxsize=4096)  # a Plan asks the same shapes band after band
+def tile_loop_us(n_m: int, n_gateup: int, n_down: int, cost_gateup: float, cost_down: float, sms: int,
+                 claim_late: bool, spread: float = 0.0, seed: int = 0) -> float:
+    """Predicted span of a single launch's tile loop (its gate/up tiles, then its down tiles, each
+    M-major: the order the claims follow at wave lag 0), with `n_m` M tiles, by how each CTA claims.
+
+    Claimed ahead (the default), a CTA claims its next tile as it reaches the top of the loop with
+    the current one, before that tile's wait for its gate/up tiles (h_ready) and its MMAs; claimed
+    late, once the current tile is done. The claims go in order to whichever CTA claims first (a
+    queue of claim times, first come first served at equal times), so this is list scheduling
+    with one tile of lookahead or none. Each tile's time is its kind's cost times a factor drawn
+    uniformly within +-spread (seeded: the same answer every call), the variation that lets one
+    CTA end up with two long tiles in a row."""
+    import random
+
+    rand = random.Random(seed)
+    claims = [(0.0, s, s) for s in range(sms)]  # (claim time, arrival order, CTA)
+    order = sms
+    free = [0.0] * sms  # when each CTA is done with the tiles it holds
+    h_end = [0.0] * n_m  # when each M tile's last gate/up tile ends
+    for kind, n_per, cost in (("gateup", n_gateup, cost_gateup), ("down", n_down, cost_down)):
+        for m in range(n_m):
+            for _ in range(n_per):
+                _, _, cta = heapq.heappop(claims)
+                reach = free[cta]
+                start = reach if kind == "gateup" else max(reach, h_end[m])
+                end = start + cost * (1.0 + spread * (2.0 * rand.random() - 1.0))
+                if kind == "gateup":
+                    h_end[m] = max(h_end[m], end)
+                free[cta] = end
+                order += 1
+                heapq.heappush(claims, (end if claim_late else reach, order, cta))
+    return max(free)
+
+
+def claim_late_gain(spec, params: dict, target: Target, tokens: int, spread: float, seeds: int) -> float:
+    """Predicted span of the single launch's tile loop claimed ahead over claimed late (above 1:
+    claiming late is faster), at `tokens` with uniform routing, for the fused kernel `params`; the
+    mean over `seeds` draws of the tiles' times."""
+    costs = task_costs_us(spec, gemm_model_params({"gemm_fused": params}), target, tokens)
+    n_m = spec.local_experts * max(1, math.ceil(tokens * spec.topk / spec.local_experts / params["tile_m"]))
+    shape = (n_m, -(-params["n_size"] // params["tile_n"]), params["n2_tiles"], costs["gateup"], costs["down"],
+             target.sms)
+    return sum(tile_loop_us(*shape, claim_late=False, spread=spread, seed=s) /
+               tile_loop_us(*shape, claim_late=True, spread=spread, seed=s) for s in range(seeds)) / seeds
