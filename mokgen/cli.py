@@ -340,7 +340,8 @@ def _verify_ranks(path: Path, world: int, tokens: str, routing: str, forward_onl
               help="Time every candidate again (by default a stopped run resumes after the candidates it timed).")
 @click.option("--paths", is_flag=True,
               help="(GPU) Time the single launch against the per-GEMM path across its bands of T in the built "
-                   "variant, record the T the per-GEMM path serves faster, and rebuild (the manifest only) to apply it.")
+                   "variant, record the T the per-GEMM path serves faster on this GPU model (a record per model), and "
+                   "rebuild (the manifest only) to apply it.")
 def tune(variant, prepare, tokens, out, fresh, paths):
     """Autotune a variant: --prepare builds candidate Plans, then (on the GPU) time them
     and record the winner; the next `mokgen build` applies it. --paths (on the GPU, after

@@ -52,6 +52,11 @@ def format_plan(plan: dict) -> str:
                    + (" (from router logits: " + " -> ".join(plan["steps"][routed]) + ")"
                       if routed in plan["steps"] else ""))
         low = top + 1
+    for gpu, gpu_bands in sorted(plan.get("launch_bands_on", {}).items()):
+        lows = [1] + [top + 1 for top, _ in gpu_bands[:-1]]
+        ranges = [f"{lo}-{top}" for lo, (top, entry) in zip(lows, gpu_bands) if entry == "forward"]
+        out.append(f"          on an {gpu} (the runtime's choice there): the per-GEMM launches at T = "
+                   + ", ".join(ranges) + " (`mokgen tune --paths` measured them faster there)")
     bands = bool(plan.get("launch_bands"))  # (the band lines above already name every small call's launch)
     if "forward_fused" in plan["steps"] and not bands:
         out.append(f"          calls with T <= {plan['fused_max_tokens']}: "

@@ -19,17 +19,20 @@ so a run that is stopped resumes where it was (on the same GPU, the same T and c
 A built Plan holds both the single launch (its bands of tiles by T) and the per-GEMM path; the
 model gives every T up to FUSED_MAX_TOKENS to the single launch. --paths times both, in the
 built variant, at points across every band (path_tokens), each T in its own process, and writes
-<out>/tuning/<variant>.paths.json: the T ranges where the per-GEMM path was faster by more than
-PATHS_MARGIN with the same bits (Plan override per_gemm_tokens). The next build applies it; no
-kernel changes, so that build only rewrites the manifest (tune --paths runs it). The record keeps
-a hash of the Plan's kernels it was measured in (plan_key): once a change of the Plan's defaults
-gives the layer other kernels, the record is stale and no longer applied (a warning says so).
+<out>/tuning/<variant>.paths.<gpu>.json: the T ranges where the per-GEMM path was faster by more
+than PATHS_MARGIN with the same bits, on that GPU model (one record per model: an H100 and an
+H200 can differ). The next build applies every record (Plan override per_gemm_tokens_on: the
+manifest's launch_bands_on, which the runtime takes on that GPU); no kernel changes, so that
+build only rewrites the manifest (tune --paths runs it). The record keeps a hash of the Plan's
+kernels it was measured in (plan_key): once a change of the Plan's defaults gives the layer other
+kernels, the record is stale and no longer applied (a warning says so).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -231,18 +234,25 @@ def candidates_winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
 
 def winner(out: Path, spec: MoESpec) -> tuple[dict, str] | None:
     """The recorded tuning for this spec: (overrides, source), or None. The candidate search's
-    winner, and the per-GEMM path's ranges of T (`tune --paths`) where they were measured
-    against the Plan that winner gives (a paths record of another Plan is not applied)."""
+    winner, and the per-GEMM path's ranges of T on each GPU model (`tune --paths`, override
+    per_gemm_tokens_on) where they were measured against the Plan that winner gives (a paths
+    record of another Plan is not applied)."""
     found = candidates_winner(out, spec)
     overrides, source = found or ({}, "")
-    rec = _read_record(paths_record_path(out, spec.variant), spec)
-    if rec is not None and rec["base_overrides"] == overrides and rec["per_gemm_tokens"]:
-        if rec.get("plan_key") != plan_key(spec, overrides):
-            warnings.warn(f"tuning/{spec.variant}.paths.json was measured in other kernels than today's Plan "
-                          f"gives: not applied; run `mokgen tune {spec.variant} --paths` again", stacklevel=2)
-            return (overrides, source) if source else None
-        overrides = {**overrides, "per_gemm_tokens": rec["per_gemm_tokens"]}
-        source = "; ".join(filter(None, [source, f"tuning/{spec.variant}.paths.json ({rec['device']})"]))
+    on, key = {}, None
+    for path in paths_records(out, spec.variant):
+        rec = _read_record(path, spec)
+        if rec is None or rec["base_overrides"] != overrides or not rec["per_gemm_tokens"]:
+            continue
+        key = key or plan_key(spec, overrides)
+        if rec.get("plan_key") != key:
+            warnings.warn(f"tuning/{path.name} was measured in other kernels than today's Plan gives: not applied; "
+                          f"run `mokgen tune {spec.variant} --paths` again on an {rec['device']}", stacklevel=2)
+            continue
+        on[rec["device"]] = rec["per_gemm_tokens"]
+        source = "; ".join(filter(None, [source, f"tuning/{path.name} ({rec['device']})"]))
+    if on:
+        overrides = {**overrides, "per_gemm_tokens_on": on}
     return (overrides, source) if source else None
 
 
@@ -262,8 +272,17 @@ def plan_key(spec: MoESpec, overrides: dict) -> str:
     return hashlib.sha256(json.dumps(kernels, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def paths_record_path(out: Path, variant: str) -> Path:
-    return Path(out) / "tuning" / f"{variant}.paths.json"
+def paths_record_path(out: Path, variant: str, device: str) -> Path:
+    """Where `tune --paths` on GPU model `device` writes its record."""
+    gpu = re.sub(r"[^a-z0-9]+", "-", device.lower().removeprefix("nvidia ")).strip("-") or "gpu"
+    return Path(out) / "tuning" / f"{variant}.paths.{gpu}.json"
+
+
+def paths_records(out: Path, variant: str) -> list[Path]:
+    """The variant's paths records, one per GPU model (and one of mokgen 0.1's unnamed ones,
+    <variant>.paths.json, read first: a record of the same GPU named by model replaces it)."""
+    tuning = Path(out) / "tuning"
+    return sorted(tuning.glob(f"{variant}.paths.json")) + sorted(tuning.glob(f"{variant}.paths.*.json"))
 
 
 def path_tokens(bands: list) -> list[int]:
@@ -336,7 +355,7 @@ def run_paths(spec: MoESpec, out: Path, log=print, timeout_s: int = 120) -> dict
     if not (variant_dir / "manifest.json").exists():
         raise FileNotFoundError(f"{spec.variant} is not built in {out}: run `mokgen build` first")
     built = json.loads((variant_dir / "manifest.json").read_text())["plan"]
-    base = {k: x for k, x in built["overrides"].items() if k != "per_gemm_tokens"}
+    base = {k: x for k, x in built["overrides"].items() if k not in ("per_gemm_tokens", "per_gemm_tokens_on")}
     bands = make_plan(spec, overrides=base).launch_bands
     if not bands:
         raise PlanError(f"{spec.variant}: its Plan has no single launch served by T beside the per-GEMM path: "
@@ -358,7 +377,8 @@ def run_paths(spec: MoESpec, out: Path, log=print, timeout_s: int = 120) -> dict
     record = dict(format=RECORD_FORMAT, variant=spec.variant, spec=spec.to_dict(), device=device,
                   torch=torch.__version__, base_overrides=base, plan_key=plan_key(spec, base), launch_bands=bands,
                   margin=PATHS_MARGIN, points=points, per_gemm_tokens=ranges)
-    path = write_text_atomic(paths_record_path(out, spec.variant), json.dumps(record, indent=1, sort_keys=True))
+    path = write_text_atomic(paths_record_path(out, spec.variant, device),
+                             json.dumps(record, indent=1, sort_keys=True))
     log(("per-GEMM path at T in " + ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) if ranges else
          "the single launch everywhere it serves (the model's bands kept)") + f"; wrote {path}")
     tuned = candidates_winner(out, spec)

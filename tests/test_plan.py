@@ -507,6 +507,7 @@ def test_tuning_candidates_and_record(tmp_path):
     import json
 
     from mokgen.codegen.build import resolve_plan
+    from mokgen.show import format_plan
     from mokgen.tune import candidates, record_path, winner
 
     spec = PRESETS["olmoe"]
@@ -583,6 +584,7 @@ def test_tune_paths_points_ranges_and_record(tmp_path):
     import json
 
     from mokgen.codegen.build import resolve_plan
+    from mokgen.show import format_plan
     from mokgen.tune import (PATHS_STEP, path_tokens, paths_record_path, per_gemm_ranges, plan_key, record_path,
                              run_paths, winner)
 
@@ -605,9 +607,11 @@ def test_tune_paths_points_ranges_and_record(tmp_path):
     assert got == [[26, 300]]  # (0.99: within the margin; other bits: never)
     assert per_gemm_ranges(toy, []) == []
 
-    path = paths_record_path(tmp_path, spec.variant)
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    path = paths_record_path(tmp_path, spec.variant, h100)
+    assert path.name == f"{spec.variant}.paths.h100-80gb-hbm3.json"
     path.parent.mkdir(parents=True)
-    rec = dict(format=1, spec=spec.to_dict(), device="H100", base_overrides={}, per_gemm_tokens=[[340, 440]])
+    rec = dict(format=1, spec=spec.to_dict(), device=h100, base_overrides={}, per_gemm_tokens=[[340, 440]])
     # measured in other kernels than today's Plan gives (a default changed since): stale, not applied
     for key in (None, "0" * 16):
         path.write_text(json.dumps({**rec, "plan_key": key}))
@@ -615,23 +619,39 @@ def test_tune_paths_points_ranges_and_record(tmp_path):
             assert winner(tmp_path, spec) is None
     rec["plan_key"] = plan_key(spec, {})
     path.write_text(json.dumps(rec))
-    assert winner(tmp_path, spec) == ({"per_gemm_tokens": [[340, 440]]}, f"tuning/{spec.variant}.paths.json (H100)")
-    assert forward_entry_of(resolve_plan(spec, tmp_path), 400) == "forward"
+    assert winner(tmp_path, spec) == ({"per_gemm_tokens_on": {h100: [[340, 440]]}},
+                                      f"tuning/{path.name} ({h100})")
+    # one record per GPU model; mokgen 0.1's unnamed record is read first, a named one of its GPU replaces it
+    paths_record_path(tmp_path, spec.variant, h200).write_text(json.dumps({**rec, "device": h200,
+                                                                          "per_gemm_tokens": [[700, 900]]}))
+    (tmp_path / "tuning" / f"{spec.variant}.paths.json").write_text(json.dumps({**rec, "per_gemm_tokens": [[1, 9]]}))
+    assert winner(tmp_path, spec)[0] == {"per_gemm_tokens_on": {h100: [[340, 440]], h200: [[700, 900]]}}
+    plan = resolve_plan(spec, tmp_path).to_dict()
+    assert plan["launch_bands"] == make_plan(spec).to_dict()["launch_bands"]  # as planned on other GPUs
+    assert forward_entry_of(plan, 400, h100) == forward_entry_of(plan, 800, h200) == "forward"
+    assert forward_entry_of(plan, 800, h100) == forward_entry_of(plan, 400, h200) == forward_entry_of(plan, 400) \
+        != "forward"
+    assert any(h200 in line and "700-900" in line for line in format_plan(plan).splitlines())
     # a candidate winner other than the Plan the paths were measured in: the paths record is not applied
+    for p in (tmp_path / "tuning").glob("*.paths.*"):
+        p.unlink()
     record_path(tmp_path, spec.variant).write_text(json.dumps(dict(
         format=1, spec=spec.to_dict(), winner={"fused_small": False}, device="H100", tokens=[4096])))
     assert winner(tmp_path, spec)[0] == {"fused_small": False}
     path.write_text(json.dumps({**rec, "base_overrides": {"fused_small": False},
                                 "plan_key": plan_key(spec, {"fused_small": False})}))
-    assert winner(tmp_path, spec)[0] == {"fused_small": False, "per_gemm_tokens": [[340, 440]]}
+    assert winner(tmp_path, spec)[0] == {"fused_small": False, "per_gemm_tokens_on": {h100: [[340, 440]]}}
+    with pytest.raises(PlanError, match="per_gemm_tokens_on"):
+        make_plan(spec, overrides={"per_gemm_tokens_on": {h100: [[5, 1]]}})
     with pytest.raises(FileNotFoundError, match="not built"):
         run_paths(spec, tmp_path / "nothing")
 
 
-def forward_entry_of(plan, tokens: int) -> str:
-    from mokgen.runtime.variant import forward_entry
+def forward_entry_of(plan, tokens: int, gpu: str = "another GPU") -> str:
+    """The entry a call of `tokens` takes on GPU model `gpu` (the runtime's bands_on_this_gpu)."""
+    from mokgen.runtime.variant import bands_on_this_gpu, forward_entry
 
-    return forward_entry(plan.to_dict(), tokens)
+    return forward_entry(bands_on_this_gpu(plan if isinstance(plan, dict) else plan.to_dict(), gpu), tokens)
 
 
 @pytest.mark.parametrize("spec", [PRESETS["olmoe"], MoESpec(experts=16, topk=4, hidden=1024, intermediate=512,

@@ -101,6 +101,21 @@ def status_error(variant: str, experts: int, gemm_by_slot: dict, code: int, time
     return KernelTimeout(timeout_message(variant, gemm_by_slot, code, timeout_ms))
 
 
+def gpu_name() -> str | None:
+    """The current CUDA device's model (torch.cuda.get_device_name()), None without a GPU."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def bands_on_this_gpu(plan: dict, gpu: str | None = None) -> dict:
+    """The Plan with launch_bands as measured on this GPU model (`gpu`, default the current
+    device's): launch_bands_on[gpu] where `mokgen tune --paths` recorded them, else as planned."""
+    on = plan.get("launch_bands_on") or {}
+    if not on:
+        return plan
+    gpu = gpu or gpu_name()
+    return dict(plan, launch_bands=on[gpu], bands_gpu=gpu) if gpu in on else plan
+
+
 def forward_entry(plan: dict, tokens: int) -> str:
     """The Plan's forward path for this many tokens: the first of plan["launch_bands"] (the single
     launch's tiles by T) that serves it, the fused launch up to plan["fused_max_tokens"] where the
@@ -195,7 +210,7 @@ class Variant:
         if not manifest_path.exists():
             raise VariantNotBuilt(f"{self.path} is not a mokgen variant (no manifest.json)")
         self.manifest = json.loads(manifest_path.read_text())
-        self.plan = self.manifest["plan"]
+        self.plan = bands_on_this_gpu(self.manifest["plan"])
         self.spec = MoESpec.from_dict(self.manifest["spec"])
         self.name = self.manifest["variant"]
         lib = self.path / "build" / LIB_NAME

@@ -208,6 +208,7 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
                                                       if S or not t.startswith("shared")])
             except ValueError as e:
                 raise PlanError(str(e)) from None
+    launch_bands, launch_bands_on = served_bands(bands, paths, ep, ov, decisions)
     plan = Plan(
         format=PLAN_FORMAT,
         mokgen_version=__version__,
@@ -226,7 +227,8 @@ def make_plan(spec: MoESpec, target: Target | None = None, overrides: dict | Non
         overrides=dict(ov),
         task_graph=task_graph,
         fused_max_tokens=(EP_FUSED_MAX_TOKENS if ep else FUSED_MAX_TOKENS) if paths.kind == "by_tokens" else 0,
-        launch_bands=served_bands(bands, paths, ep, ov, decisions),
+        launch_bands=launch_bands,
+        launch_bands_on=launch_bands_on,
         zeroed=zeroed,
         side_stream=side_stream,
     )
@@ -357,18 +359,28 @@ def forward_paths(spec: MoESpec, target: Target, row_tile: int, overrides: dict 
                          "one persistent kernel), larger ones one launch per GEMM (measured crossover, docs/perf.md)")
 
 
-def served_bands(bands: list, paths: Paths, ep: bool, ov: dict, decisions: list) -> list:
+def served_bands(bands: list, paths: Paths, ep: bool, ov: dict, decisions: list) -> tuple[list, dict]:
     """launch_bands: the entry that serves each band of T (the single launch's model bands), with
-    the ranges of override per_gemm_tokens given to the per-GEMM path (per_gemm_bands)."""
+    the ranges of override per_gemm_tokens given to the per-GEMM path (per_gemm_bands); and
+    launch_bands_on, the same per GPU model for override per_gemm_tokens_on ({GPU name: ranges},
+    what `mokgen tune --paths` measured on each)."""
     served = [[t, f"forward_n{n}" if n else "forward_fused"] for t, n in bands] if paths.fuse and not ep else []
-    ranges = ov.get("per_gemm_tokens")
-    if ranges is None:
-        return served
-    if not served or paths.kind != "by_tokens":
-        raise PlanError("per_gemm_tokens: this Plan has no single launch served by T beside the per-GEMM path")
-    decisions.append("calls with T in " + ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) + " run the per-GEMM "
-                     "path in place of the single launch (override per_gemm_tokens: measured faster there)")
-    return per_gemm_bands(served, ranges)
+    ranges, on = ov.get("per_gemm_tokens"), ov.get("per_gemm_tokens_on", {})
+    if (ranges is not None or on) and (not served or paths.kind != "by_tokens"):
+        key = "per_gemm_tokens" if ranges is not None else "per_gemm_tokens_on"
+        raise PlanError(f"{key}: this Plan has no single launch served by T beside the per-GEMM path")
+
+    def given(ranges):
+        return ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges)
+
+    if ranges is not None:
+        decisions.append(f"calls with T in {given(ranges)} run the per-GEMM path in place of the single launch "
+                         "(override per_gemm_tokens: measured faster there)")
+        served = per_gemm_bands(served, ranges)
+    for gpu, r in sorted(on.items()):
+        decisions.append(f"on an {gpu}, calls with T in {given(r)} run the per-GEMM path in place of the single "
+                         "launch (override per_gemm_tokens_on: measured faster there)")
+    return served, {gpu: per_gemm_bands(served, r) for gpu, r in sorted(on.items())}
 
 
 @dataclass(frozen=True)
@@ -545,10 +557,20 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|bwd_send_x_sms|bwd_return_sms|comm_threads|ep_overlap|gemm_returns|gemm_sends"
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
                            r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status"
-                           r"|discard_consumed|discard_what|discard_h_early|per_gemm_tokens|claim_late"
+                           r"|discard_consumed|discard_what|discard_h_early|per_gemm_tokens|per_gemm_tokens_on"
+                           r"|claim_late"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|(gemm_gateup|bwd_dgrad_down)\.gather_lag|gemm_fused\.wave_lag")
+
+
+def check_token_ranges(key: str, value) -> None:
+    """A list of [lo, hi] token ranges, 1 <= lo <= hi, increasing and apart."""
+    if not isinstance(value, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(isinstance(t, int) and not isinstance(t, bool) for t in r)
+            and 1 <= r[0] <= r[1] for r in value) or any(a[1] >= b[0] for a, b in zip(value, value[1:])):
+        raise PlanError(f"{key} must be a list of [lo, hi] token ranges, 1 <= lo <= hi, increasing and apart, "
+                        f"got {value!r}")
 
 
 def check_overrides(overrides: dict) -> None:
@@ -572,11 +594,14 @@ def check_overrides(overrides: dict) -> None:
                 raise PlanError(f"discard_what must be 'all', 'rows' or 'padding', got {value!r}")
             continue
         if key == "per_gemm_tokens":
-            if not isinstance(value, list) or not all(
-                    isinstance(r, list) and len(r) == 2 and all(isinstance(t, int) and not isinstance(t, bool) for t in r)
-                    and 1 <= r[0] <= r[1] for r in value) or any(a[1] >= b[0] for a, b in zip(value, value[1:])):
-                raise PlanError(f"per_gemm_tokens must be a list of [lo, hi] token ranges, 1 <= lo <= hi, increasing "
-                                f"and apart, got {value!r}")
+            check_token_ranges(key, value)
+            continue
+        if key == "per_gemm_tokens_on":
+            if not isinstance(value, dict) or not all(isinstance(gpu, str) and gpu for gpu in value):
+                raise PlanError(f"per_gemm_tokens_on must map GPU names (torch.cuda.get_device_name()) to token "
+                                f"ranges, got {value!r}")
+            for gpu, ranges in value.items():
+                check_token_ranges(f"per_gemm_tokens_on[{gpu!r}]", ranges)
             continue
         if key == "swap_rows":
             if not isinstance(value, list) or any(isinstance(n, bool) or not isinstance(n, int) or n % SWAP_ROW_STEP

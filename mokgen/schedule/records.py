@@ -87,6 +87,10 @@ class Plan:
     # [max_tokens, entry] in increasing order: a call with T tokens runs the first entry whose
     # max_tokens is at least T (the single launch's tile sizes by T, launch_bands), else as above.
     launch_bands: list = field(default_factory=list)
+    # GPU name (torch.cuda.get_device_name()) -> launch_bands on that GPU, where `mokgen tune --paths`
+    # measured the per-GEMM path faster at some T there (override per_gemm_tokens_on); the runtime
+    # takes them in place of launch_bands on that GPU.
+    launch_bands_on: dict = field(default_factory=dict)
     # Buffers the runtime zeroes before an entry point's kernels, where none of them does
     # (entry -> names; dispatch_count zeroes tile_counters in the entries that dispatch).
     zeroed: dict = field(default_factory=dict)
