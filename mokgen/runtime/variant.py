@@ -101,19 +101,16 @@ def status_error(variant: str, experts: int, gemm_by_slot: dict, code: int, time
     return KernelTimeout(timeout_message(variant, gemm_by_slot, code, timeout_ms))
 
 
-def gpu_name() -> str | None:
-    """The current CUDA device's model (torch.cuda.get_device_name()), None without a GPU."""
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
-
-
 def bands_on_this_gpu(plan: dict, gpu: str | None = None) -> dict:
     """The Plan with launch_bands as measured on this GPU model (`gpu`, default the current
-    device's): launch_bands_on[gpu] where `mokgen tune --paths` recorded them, else as planned."""
+    device's, torch.cuda.get_device_name()): launch_bands_on[gpu] where `mokgen tune --paths`
+    recorded them, else as planned."""
     on = plan.get("launch_bands_on") or {}
     if not on:
         return plan
-    gpu = gpu or gpu_name()
-    return dict(plan, launch_bands=on[gpu], bands_gpu=gpu) if gpu in on else plan
+    if gpu is None and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name()
+    return dict(plan, launch_bands=on[gpu]) if gpu in on else plan
 
 
 def forward_entry(plan: dict, tokens: int) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import random
 from dataclasses import asdict, dataclass, field
 
 import sympy
@@ -271,6 +272,11 @@ def task_costs_us(spec, plan_params: dict, target: Target, tokens: int) -> dict:
     return costs
 
 
+def uniform_m_tiles(spec, tokens: int, tile_m: int) -> int:
+    """M tiles of `tile_m` rows the experts' rows fill at `tokens` with uniform routing."""
+    return spec.local_experts * math.ceil(tokens * spec.topk / spec.local_experts / tile_m)
+
+
 def simulate(spec, plan_params: dict, target: Target, tokens: int, fused: bool = True) -> dict:
     """Predicted timeline at `tokens` with uniform routing: list scheduling of the task
     graph on the SMs (fused), or stage by stage with a barrier between stages (the
@@ -279,8 +285,7 @@ def simulate(spec, plan_params: dict, target: Target, tokens: int, fused: bool =
     costs = task_costs_us(spec, plan_params, target, tokens)
     E, K = spec.local_experts, spec.topk
     bm = plan_params["gemm_gateup"]["tile_m"]
-    rows = tokens * K / E
-    used_m = E * math.ceil(rows / bm)  # uniform routing
+    used_m = uniform_m_tiles(spec, tokens, bm)
     ng = math.ceil(plan_params["gemm_gateup"]["n_size"] / plan_params["gemm_gateup"]["tile_n"])
     nd = math.ceil(plan_params["gemm_down"]["n_size"] / plan_params["gemm_down"]["tile_n"])
     blocks = math.ceil(tokens / COMBINE_TOKENS)
@@ -343,8 +348,6 @@ def tile_loop_us(n_m: int, n_gateup: int, n_down: int, cost_gateup: float, cost_
     with one tile of lookahead or none. Each tile's time is its kind's cost times a factor drawn
     uniformly within +-spread (seeded: the same answer every call), the variation that lets one
     CTA end up with two long tiles in a row."""
-    import random
-
     rand = random.Random(seed)
     claims = [(0.0, s, s) for s in range(sms)]  # (claim time, arrival order, CTA)
     order = sms
@@ -370,8 +373,7 @@ def claim_late_gain(spec, params: dict, target: Target, tokens: int, spread: flo
     claiming late is faster), at `tokens` with uniform routing, for the fused kernel `params`; the
     mean over `seeds` draws of the tiles' times."""
     costs = task_costs_us(spec, gemm_model_params({"gemm_fused": params}), target, tokens)
-    n_m = spec.local_experts * max(1, math.ceil(tokens * spec.topk / spec.local_experts / params["tile_m"]))
-    shape = (n_m, -(-params["n_size"] // params["tile_n"]), params["n2_tiles"], costs["gateup"], costs["down"],
+    shape = (uniform_m_tiles(spec, tokens, params["tile_m"]), -(-params["n_size"] // params["tile_n"]), params["n2_tiles"], costs["gateup"], costs["down"],
              target.sms)
     return sum(tile_loop_us(*shape, claim_late=False, spread=spread, seed=s) /
                tile_loop_us(*shape, claim_late=True, spread=spread, seed=s) for s in range(seeds)) / seeds
