@@ -2,7 +2,7 @@
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
 # Builds: MOKGEN_HOME, e.g. a folder unpacked from `stage_builds.py HOME.tar.xz --set golden --set fp8`.
 # Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [anchor] [twogpu] [exp NAME VARIANT T,T,..] [profile VARIANT T]
-#        [ncu VARIANT PATH T] [l2homes] [l2stream] [l2mcast]
+#        [ncu VARIANT PATH T] [l2homes] [l2stream] [l2mcast] [paths]
 #   train: forward+backward bench (E64 at T=4096,16384) and the training demo's loss curves (bf16, then FP8)
 #   twogpu: needs two GPUs of one host: the expert-parallel, multi-node and FP8 golden tests over both, then
 #           the expert-parallel forward and forward+backward bench and the FP8 layer beside bf16 over both
@@ -19,6 +19,8 @@
 #            tiles faster (benchmarks/l2_multicast.cu: the tiles' TMA loads and wgmma, no epilogue; the rows not
 #            loaded at all, loaded by every CTA, multicast, or gathered half by each CTA of a pair and pushed into the
 #            other's shared memory; with and without the MMAs)
+#   paths: `mokgen tune --paths` for every variant with a paths record in generated/tuning/ but none for this
+#          GPU model (each record also lands in $OUT: commit it to generated/tuning/, then `mokgen build` it)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
 #           the script from ../shared/bench, or a copy in .anchors/ where ../shared does not travel)
 set -uo pipefail
@@ -48,6 +50,15 @@ while [ $# -gt 0 ]; do
       $R benchmarks/ep_bench.py --tokens 4096,8192 --backward --json "$OUT/ep.json" 2>&1 | tail -16 | tee "$OUT/twogpu.log"
       $R benchmarks/multinode_bench.py --fp8 --json "$OUT/multinode.json" 2>&1 | tail -24 | tee -a "$OUT/twogpu.log"
       shift ;;
+    paths)
+      for v in $(ls generated/tuning/ | sed -n 's/\.paths\..*json$//p' | sort -u); do
+        REC=$(python3 -c "import sys, torch; from mokgen.tune import paths_record_path
+print(paths_record_path('generated', sys.argv[1], torch.cuda.get_device_name()))" "$v")
+        if [ -f "$REC" ]; then echo "== $v: $REC is committed"; continue; fi
+        echo "== tune --paths $v" | tee -a "$OUT/paths.log"
+        timeout 400 python3 -m mokgen.cli tune "$v" --paths 2>&1 | tee -a "$OUT/paths.log" | tail -3
+        cp "${MOKGEN_HOME:-generated}/tuning/$(basename "$REC")" "$OUT/" 2>/dev/null
+      done; shift ;;
     anchor) timeout 400 python3 benchmarks/anchor_compare.py --json "$OUT/anchor.json" 2>&1 | tee "$OUT/anchor.log" | tail -16
       shift ;;
     exp) timeout 200 python3 benchmarks/compare_experiment.py "$2" --variant "$3" --tokens "$4" \
