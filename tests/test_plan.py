@@ -507,7 +507,6 @@ def test_tuning_candidates_and_record(tmp_path):
     import json
 
     from mokgen.codegen.build import resolve_plan
-    from mokgen.show import format_plan
     from mokgen.tune import candidates, record_path, winner
 
     spec = PRESETS["olmoe"]

@@ -373,7 +373,7 @@ def claim_late_gain(spec, params: dict, target: Target, tokens: int, spread: flo
     claiming late is faster), at `tokens` with uniform routing, for the fused kernel `params`; the
     mean over `seeds` draws of the tiles' times."""
     costs = task_costs_us(spec, gemm_model_params({"gemm_fused": params}), target, tokens)
-    shape = (uniform_m_tiles(spec, tokens, params["tile_m"]), -(-params["n_size"] // params["tile_n"]), params["n2_tiles"], costs["gateup"], costs["down"],
-             target.sms)
+    shape = (uniform_m_tiles(spec, tokens, params["tile_m"]), math.ceil(params["n_size"] / params["tile_n"]),
+             params["n2_tiles"], costs["gateup"], costs["down"], target.sms)
     return sum(tile_loop_us(*shape, claim_late=False, spread=spread, seed=s) /
                tile_loop_us(*shape, claim_late=True, spread=spread, seed=s) for s in range(seeds)) / seeds
