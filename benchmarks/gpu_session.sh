@@ -2,7 +2,7 @@
 # One GPU session: golden tests, then the benchmarks, logs under $OUT (or ./bench-out).
 # Builds: MOKGEN_HOME, e.g. a folder unpacked from `stage_builds.py HOME.tar.xz --set golden --set fp8`.
 # Usage: bash benchmarks/gpu_session.sh [tests] [bench] [train] [anchor] [twogpu] [exp NAME VARIANT T,T,..] [profile VARIANT T]
-#        [ncu VARIANT PATH T] [l2homes] [l2stream] [l2mcast] [paths]
+#        [ncu VARIANT PATH T] [l2homes] [l2stream] [l2mcast] [dsmem] [paths]
 #   train: forward+backward bench (E64 at T=4096,16384) and the training demo's loss curves (bf16, then FP8)
 #   twogpu: needs two GPUs of one host: the expert-parallel, multi-node and FP8 golden tests over both, then
 #           the expert-parallel forward and forward+backward bench and the FP8 layer beside bf16 over both
@@ -19,6 +19,8 @@
 #            tiles faster (benchmarks/l2_multicast.cu: the tiles' TMA loads and wgmma, no epilogue; the rows not
 #            loaded at all, loaded by every CTA, multicast, or gathered half by each CTA of a pair and pushed into the
 #            other's shared memory; with and without the MMAs)
+#   dsmem: whether the down tiles' h rows cost an SM less from a peer's shared memory in a cluster of 8 (the CTAs
+#          that would hold one expert's h) than from L2 (benchmarks/dsmem_rows.cu: the tiles' TMA loads and wgmma)
 #   paths: `mokgen tune --paths` for every variant with a paths record in generated/tuning/ but none for this
 #          GPU model (each record also lands in $OUT: commit it to generated/tuning/, then `mokgen build` it)
 #   anchor: mokgen beside the design's own baseline script under its harness (benchmarks/anchor_compare.py;
@@ -84,6 +86,10 @@ print(paths_record_path('generated', sys.argv[1], torch.cuda.get_device_name()))
       nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o "$OUT/l2_multicast" benchmarks/l2_multicast.cu \
         && timeout 120 "$OUT/l2_multicast" 11 2>&1 | tee "$OUT/l2mcast.log"
       rm -f "$OUT/l2_multicast"; shift ;;
+    dsmem)
+      nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o "$OUT/dsmem_rows" benchmarks/dsmem_rows.cu \
+        && timeout 120 "$OUT/dsmem_rows" 11 2>&1 | tee "$OUT/dsmem.log"
+      rm -f "$OUT/dsmem_rows"; shift ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

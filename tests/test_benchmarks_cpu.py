@@ -326,11 +326,11 @@ def test_ncu_call_refuses_a_build_for_a_path_that_is_a_build_itself():
 
 
 @pytest.mark.parametrize("probe, bad_args", [("l2_homes", ["3", "1"]), ("l2_near_stream", ["12"]),
-                                             ("l2_multicast", ["0"])])
+                                             ("l2_multicast", ["0"]), ("dsmem_rows", ["0"])])
 def test_l2_probes_compile_and_check_their_arguments(tmp_path, probe, bad_args):
-    """The L2 probes (benchmarks/l2_homes.cu, l2_near_stream.cu and l2_multicast.cu, run on a GPU
-    by gpu_session.sh l2homes, l2stream and l2mcast) build for sm_90a (compute_90a: the multicast
-    probe's wgmma and setmaxnreg have no plain sm_90 form), and refuse arguments they cannot use
+    """The L2 probes (benchmarks/l2_homes.cu, l2_near_stream.cu, l2_multicast.cu and dsmem_rows.cu,
+    run on a GPU by gpu_session.sh l2homes, l2stream, l2mcast and dsmem) build for sm_90a
+    (compute_90a: wgmma and setmaxnreg have no plain sm_90 form), and refuse arguments they cannot use
     (a stride that does not divide a 2 MB page; a buffer not a multiple of 8 MiB; no timed
     launch) before they touch a GPU."""
     nvcc = shutil.which("nvcc")

@@ -1,0 +1,392 @@
+// Would the down tiles be cheaper if h stayed in a cluster's shared memory instead of going through L2?
+//
+//     nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o dsmem_rows benchmarks/dsmem_rows.cu
+//     ./dsmem_rows [rounds]
+//
+// Why: at T = 1024 the single launch (E64 K8 H2048 I1024) stores h (the SwiGLU output) to global
+// memory from its gate/up tiles and each of the 8 down tiles of an M tile reads all of its 160 h
+// rows back through L2 (168 MB of the call's 1.31 GB into the SMs). The rows cost an SM what L2
+// bytes cost it (docs/perf.md, "Sharing a tile's token rows between CTAs"): about 5 us of an 18.6
+// us down tile. A cluster of 8 CTAs that runs one expert's 8 gate/up tiles and then its 8 down
+// tiles could keep each CTA's 128 h columns (40 KB) in its own shared memory, and each down tile
+// would take a K block's h rows from the peer that computed them (distributed shared memory, over
+// the SMs' network inside a GPC) instead of from L2. That pays only if those bytes cost an SM less
+// than L2's do, and only by more than the SMs a grid of 8-CTA clusters leaves idle; this program
+// measures both on the down tiles' own loads and MMAs before anything is built.
+//
+// One CTA per SM, as the kernel: warp 0 of warpgroup 0 issues the weight TMA loads into a ring of 3
+// or 4 stages of 52 KB (a K block of 64: two 128 x 64 boxes of the tile's 256 output rows and the
+// 160 x 64 h rows), and two consumer warpgroups run m64n160k16 wgmma on their 2 x 64 weight rows
+// (160 fp32 accumulators a thread), then free the stage. No epilogue. The 512 down tiles of E64
+// (64 M tiles x 8 column tiles of 256 output rows, K 1024) are dealt so that the CTAs of a cluster
+// share an M tile, one column tile each. h rows:
+//   weights only   never loaded: the floor if they were free
+//   h by TMA       one box of 160 rows a stage from a global h in dispatch order, as the kernel does
+//   h from peers   CTA r holds h columns 128 r .. 128 r + 127 of its M tile in shared memory (40 KB,
+//                  laid out as TMA's boxes are); the producer warpgroup copies each stage's 20 KB from
+//                  the peer that holds that K block (ld.shared::cluster, 16 B a thread, into the stage),
+//                  then fences for wgmma's reads and arrives; "rotated" starts CTA r at K block 2 r so
+//                  that the 8 CTAs read 8 different peers at a time
+//   h from self    the same copies from this CTA's own 40 KB: the copy's cost without the network
+// The ring has 3 stages where the 40 KB are held (3 x 52 + 40 KB fit, 4 x 52 + 40 do not). The modes
+// run on the full grid (one CTA an SM) and on the grid clusters of 8 can fill, with and without the
+// MMAs. Prints the median launch, a tile's time on one SM (each CTA's span over its tiles, median
+// over the CTAs) and the SM clock.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "l2_probe.cuh"
+
+constexpr int TOK = 160;                                  // token rows a tile (the T = 1024 band)
+constexpr int WROWS = 128;                                // output rows a box; a tile has two
+constexpr int KBLK = 64;                                  // bf16 columns a stage (128 B: one swizzle row)
+constexpr int HID = 2048;                                 // the down GEMM's output rows an expert
+constexpr int INTER = 1024;                               // K of the down GEMM
+constexpr int KB = INTER / KBLK;                          // stages a tile
+constexpr int M_TILES = 64;                               // experts, one M tile each at T = 1024
+constexpr int N_TILES = HID / (2 * WROWS);                // column tiles an M tile: 8
+constexpr int TILES = M_TILES * N_TILES;
+constexpr int CLUSTER = 8;                                // the CTAs that hold one expert's h together
+constexpr int A_STAGE = TOK * KBLK * 2;                   // 20 KB of h rows a stage
+constexpr int W_BOX = WROWS * KBLK * 2;                   // 16 KB
+constexpr int STAGE_BYTES = A_STAGE + 2 * W_BOX;          // 52 KB, a multiple of 1 KB (the swizzle's period)
+constexpr int SLICE = (INTER / CLUSTER / KBLK) * A_STAGE; // 40 KB: 128 h columns of 160 rows
+constexpr int SLICE_AT = 3 * STAGE_BYTES;                 // after a ring of 3 stages
+constexpr int SMEM = std::max(4 * STAGE_BYTES, SLICE_AT + SLICE) + 1024;  // + room to align to 1 KB
+constexpr int THREADS = 384;                              // producer warpgroup + 2 consumer warpgroups
+constexpr int CONSUMER_WARPS = 8;
+constexpr int CHUNKS = A_STAGE / 16 / 128;                // 16 B copies a producer thread makes a stage: 10
+constexpr long long WAIT_CYCLES = 4000000000LL;           // a wait gives up after this (about 2 s)
+
+static_assert(INTER / KBLK % CLUSTER == 0 && CHUNKS * 16 * 128 == A_STAGE, "the slices and copies divide evenly");
+
+enum Rows { NONE = 0, TMA = 1, PEERS = 2, SELF = 3 };
+
+__device__ bool wait_parity(uint64_t* bar, uint32_t parity) {
+    const long long start = clock64();
+    while (true) {
+        uint32_t ok;
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+        if (ok) return true;
+        if (clock64() - start > WAIT_CYCLES) return false;
+    }
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// A shared-memory matrix descriptor for wgmma: K-major rows of 128 B under the 128 B swizzle, 8-row
+// groups 1 KB apart (what a TMA box of 64 bf16 columns with CU_TENSOR_MAP_SWIZZLE_128B writes).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+    return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void tma_load(const CUtensorMap* map, uint32_t dst, uint64_t* bar, int col, int row) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(smem_u32(bar)) : "memory");
+}
+
+// L2's evict-first policy (CUTLASS's encoding), which the kernel puts on the swapped tiles' weights.
+constexpr uint64_t EVICT_FIRST = 0x12F0000000000000ull;
+
+__device__ __forceinline__ void tma_load_once(const CUtensorMap* map, uint32_t dst, uint64_t* bar, int col, int row) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(smem_u32(bar)), "l"(EVICT_FIRST) : "memory");
+}
+
+// 16 bytes of CTA rank's shared memory at this CTA's address addr (rank may be this CTA).
+__device__ __forceinline__ uint4 load_cluster(uint32_t addr, uint32_t rank) {
+    uint4 v;
+    asm volatile(
+        "{ .reg .b32 a; mapa.shared::cluster.u32 a, %4, %5;\n"
+        "ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [a]; }"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr), "r"(rank) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_shared(uint32_t addr, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// One m64n160k16 bf16 wgmma: d (80 fp32 a thread) += A(desc_a) * B(desc_b)^T, or = when !accumulate.
+__device__ __forceinline__ void wgmma_m64n160k16(float (&d)[80], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+        "}, %80, %81, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// One launch of a mode. timing[cta] = {globaltimer at start, at end, clock64 at start, at end, tiles}.
+__global__ void __launch_bounds__(THREADS, 1)
+    down_tiles(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap hmap, const uint16_t* h,
+               int csize, int stages, int rows, int rotate, int mma, int* failed, int* done, float* sink,
+               long long* timing) {
+    extern __shared__ char raw[];
+    char* ring = reinterpret_cast<char*>((uintptr_t(raw) + 1023) & ~uintptr_t(1023));
+    __shared__ __align__(8) uint64_t full[4], empty[4];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = threadIdx.x / 128;
+    uint32_t rank = 0;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const bool copies = rows == PEERS || rows == SELF;
+    const uint32_t slice = smem_u32(ring + SLICE_AT);
+    if (copies) {
+        // This CTA's 128 h columns of an M tile (expert 0's rows: what is in them does not matter
+        // here), as two TMA boxes of 160 x 64 would lay them out: row r's 16 B chunk c at
+        // r * 128 + (c ^ (r % 8)) * 16.
+        for (int i = threadIdx.x; i < SLICE / 16; i += THREADS) {
+            const int blk = i / (A_STAGE / 16), r = i % (A_STAGE / 16) / 8, c = i % 8;
+            const uint16_t* src = h + size_t(r) * INTER + (int(rank) * 2 + blk) * KBLK + c * 8;
+            store_shared(slice + blk * A_STAGE + r * 128 + ((c ^ (r & 7)) * 16), *reinterpret_cast<const uint4*>(src));
+        }
+    }
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(full + s)), "r"(copies ? 5 : 1));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(empty + s)), "r"(CONSUMER_WARPS));
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (csize > 1) cluster_sync();  // every peer's slice written before anyone reads it
+    long long t0 = 0, c0 = 0;
+    if (threadIdx.x == 0) {
+        t0 = (long long)global_ns();
+        c0 = clock64();
+    }
+    // Cluster c takes units c, c + clusters, ...; a unit is csize column tiles of one M tile, one a CTA.
+    const int cluster = blockIdx.x / csize, clusters = gridDim.x / csize, per_m = N_TILES / csize;
+    const int units = M_TILES * per_m;
+    const int n_units = cluster < units ? (units - cluster + clusters - 1) / clusters : 0;
+    const int n_stages = n_units * KB;
+    // The K block a tile's step n reads: rotated, CTA r starts at the block its peer r holds.
+    auto kblock = [&](int n) { return rotate ? (n % KB + 2 * int(rank)) % KB : n % KB; };
+    bool ok = true;
+    float total = 0.f;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+        if (copies || (warp == 0 && lane == 0)) {
+            for (int n = 0; n < n_stages; ++n) {
+                const int s = n % stages, kb = kblock(n), u = cluster + n / KB * clusters;
+                const int m = u / per_m, nt = u % per_m * csize + int(rank);
+                if (n >= stages) {
+                    const bool freed = wait_parity(empty + s, ((n / stages) & 1) ^ 1);
+                    if (!(ok = copies ? __all_sync(0xffffffffu, freed) : freed)) break;
+                }
+                const uint32_t stage = smem_u32(ring + s * STAGE_BYTES);
+                if (warp == 0 && lane == 0) {
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + s)),
+                                 "r"(2 * W_BOX + (rows == TMA ? A_STAGE : 0)) : "memory");
+                    tma_load_once(&wmap, stage + A_STAGE, full + s, kb * KBLK, m * HID + nt * 2 * WROWS);
+                    tma_load_once(&wmap, stage + A_STAGE + W_BOX, full + s, kb * KBLK, m * HID + nt * 2 * WROWS + WROWS);
+                    if (rows == TMA) tma_load(&hmap, stage, full + s, kb * KBLK, m * TOK);
+                }
+                if (copies) {
+                    // The K block's 20 KB from the CTA that holds it, in two rounds of 5 loads in flight.
+                    const uint32_t owner = rows == PEERS ? uint32_t(kb / 2) : rank;
+                    const uint32_t src = slice + (kb % 2) * A_STAGE;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        uint4 v[CHUNKS / 2];
+#pragma unroll
+                        for (int j = 0; j < CHUNKS / 2; ++j)
+                            v[j] = load_cluster(src + (threadIdx.x + 128 * (half * CHUNKS / 2 + j)) * 16, owner);
+#pragma unroll
+                        for (int j = 0; j < CHUNKS / 2; ++j)
+                            store_shared(stage + (threadIdx.x + 128 * (half * CHUNKS / 2 + j)) * 16, v[j]);
+                    }
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // wgmma reads what we stored
+                    __syncwarp();
+                    if (lane == 0)
+                        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(full + s)) : "memory");
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+        const int cw = wg - 1;  // this warpgroup's 64 rows of each of the tile's two 128-row boxes
+        float lo[80], hi[80];
+#pragma unroll
+        for (int i = 0; i < 80; ++i) lo[i] = hi[i] = 0.f;
+        for (int n = 0; n < n_stages; ++n) {
+            const int s = n % stages;
+            const bool landed = wait_parity(full + s, (n / stages) & 1);
+            if (!(ok = __all_sync(0xffffffffu, landed))) break;
+            if (mma) {
+                const uint32_t stage = smem_u32(ring + s * STAGE_BYTES);
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+                for (int k = 0; k < KBLK / 16; ++k) {
+                    const uint64_t hrows = sw128_desc(stage + k * 32);
+                    const int acc = n % KB > 0 || k > 0;
+                    wgmma_m64n160k16(lo, sw128_desc(stage + A_STAGE + cw * 64 * 128 + k * 32), hrows, acc);
+                    wgmma_m64n160k16(hi, sw128_desc(stage + A_STAGE + W_BOX + cw * 64 * 128 + k * 32), hrows, acc);
+                }
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                if (n % KB == KB - 1) {  // the tile's accumulators, folded so that nothing is dead
+#pragma unroll
+                    for (int i = 0; i < 80; ++i) total += lo[i] * hi[i];
+                }
+            }
+            __syncwarp();
+            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + s)) : "memory");
+        }
+    }
+    if (!ok) atomicExch(failed, 1);
+    if (total == 1.2345f) sink[0] = total;  // never true in practice; keeps the MMAs' results live
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        timing[blockIdx.x * 5 + 1] = (long long)global_ns();
+        timing[blockIdx.x * 5 + 3] = clock64();
+        timing[blockIdx.x * 5 + 0] = t0;
+        timing[blockIdx.x * 5 + 2] = c0;
+        timing[blockIdx.x * 5 + 4] = n_units;
+    }
+    if (csize > 1) cluster_sync();  // no CTA leaves while a peer may still read its slice
+    if (threadIdx.x == 0) atomicAdd(done, 1);
+}
+
+// Small bf16 values (exponent 2^-4 .. 2^-1, either sign), so the MMAs run on ordinary numbers.
+__global__ void fill(uint16_t* w, size_t n) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+        const uint32_t v = mix32(uint32_t(i));
+        w[i] = uint16_t(((v >> 31) << 15) | ((123 + (v >> 28 & 3)) << 7) | (v & 0x7f));
+    }
+}
+
+struct Mode {
+    const char* name;
+    int csize, full_grid, stages, rows, rotate, mma;
+};
+
+int main(int argc, char** argv) {
+    const int rounds = argc > 1 ? std::atoi(argv[1]) : 11;
+    if (argc > 2 || rounds < 1 || rounds > 1000) {
+        std::printf("usage: %s [rounds: timed launches a mode, 1..1000, default 11]\n", argv[0]);
+        return 2;
+    }
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    if (prop.major != 9) {
+        std::printf("needs a Hopper GPU (sm_90), found sm_%d%d\n", prop.major, prop.minor);
+        return 2;
+    }
+    const int sms = prop.multiProcessorCount;
+    const size_t w_elems = size_t(M_TILES) * HID * INTER, h_elems = size_t(M_TILES) * TOK * INTER;
+    uint16_t *w, *h;
+    CHECK(cudaMalloc(&w, w_elems * 2));  // 256 MiB: E64's down weights, streamed from HBM
+    CHECK(cudaMalloc(&h, h_elems * 2));  // 20 MiB: 160 h rows an expert, in dispatch order
+    fill<<<sms * 4, 1024>>>(w, w_elems);
+    fill<<<sms * 4, 1024>>>(h, h_elems);
+    CHECK(cudaGetLastError());
+    CUtensorMap wmap, hmap;
+    if (!rows_map(&wmap, w, INTER, size_t(M_TILES) * HID, INTER * 2, WROWS)) return 1;
+    if (!rows_map(&hmap, h, INTER, size_t(M_TILES) * TOK, INTER * 2, TOK)) return 1;
+    CHECK(cudaFuncSetAttribute(down_tiles, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CLUSTER;
+    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = SMEM;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cfg.gridDim = dim3(sms / CLUSTER * CLUSTER);
+    int n8 = 0;
+    CHECK(cudaOccupancyMaxActiveClusters(&n8, down_tiles, &cfg));
+    const int grid8 = n8 * CLUSTER;
+    std::printf("%s, %d SMs; clusters of %d: %d resident (%d CTAs)\n", prop.name, sms, CLUSTER, n8, grid8);
+    if (n8 < 1) return 1;
+    int *failed, *done;
+    float* sink;
+    long long* timing;
+    CHECK(cudaMalloc(&failed, 4));
+    CHECK(cudaMalloc(&done, 4));
+    CHECK(cudaMalloc(&sink, 4));
+    CHECK(cudaMalloc(&timing, size_t(sms) * 5 * 8));
+    CHECK(cudaMemset(failed, 0, 4));
+    std::vector<long long> tim(size_t(sms) * 5);
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+
+    const Mode modes[] = {
+        {"weights only", 1, 1, 4, NONE, 0, 1}, {"h by TMA", 1, 1, 4, TMA, 0, 1},
+        {"weights only", 1, 0, 4, NONE, 0, 1}, {"h by TMA", 1, 0, 4, TMA, 0, 1},
+        {"weights only", 8, 0, 3, NONE, 0, 1}, {"h by TMA", 8, 0, 3, TMA, 0, 1},
+        {"h by TMA", 8, 0, 4, TMA, 0, 1},      {"h from peers", 8, 0, 3, PEERS, 0, 1},
+        {"h from peers", 8, 0, 3, PEERS, 1, 1}, {"h from self", 8, 0, 3, SELF, 0, 1},
+        {"weights only", 8, 0, 3, NONE, 0, 0}, {"h by TMA", 8, 0, 3, TMA, 0, 0},
+        {"h from peers", 8, 0, 3, PEERS, 1, 0}, {"h from self", 8, 0, 3, SELF, 0, 0},
+    };
+    std::printf("E64 down tiles at T = 1024: %d tiles of %d h rows x %d output rows, K %d; median of %d launches\n",
+                TILES, TOK, 2 * WROWS, INTER, rounds);
+    std::printf("%-13s %7s %5s %6s %7s %4s %9s %10s %8s\n", "mode", "cluster", "CTAs", "stages", "rotated", "MMA",
+                "ms", "us a tile", "SM MHz");
+    for (const Mode& md : modes) {
+        const int grid = md.full_grid ? sms : grid8;
+        attr[0].val.clusterDim.x = md.csize;
+        cfg.gridDim = dim3(grid);
+        std::vector<float> ms, per_tile, mhz;
+        for (int it = 0; it < rounds + 3; ++it) {  // three untimed launches first
+            CHECK(cudaMemset(done, 0, 4));
+            CHECK(cudaEventRecord(e0));
+            CHECK(cudaLaunchKernelEx(&cfg, down_tiles, wmap, hmap, (const uint16_t*)h, md.csize, md.stages, md.rows,
+                                     md.rotate, md.mma, failed, done, sink, timing));
+            const Launched l = finish_launch(e0, e1, done, failed);
+            if (l.done != grid || l.gave_up) {
+                std::printf("%s, cluster %d: %d of %d CTAs finished%s\n", md.name, md.csize, l.done, grid,
+                            l.gave_up ? ", a wait gave up" : "");
+                return 1;
+            }
+            if (it < 3) continue;
+            ms.push_back(l.ms);
+            CHECK(cudaMemcpy(tim.data(), timing, size_t(grid) * 5 * 8, cudaMemcpyDeviceToHost));
+            std::vector<float> each;
+            double cycles = 0, ns = 0;
+            for (int c = 0; c < grid; ++c) {
+                const double span = double(tim[c * 5 + 1] - tim[c * 5 + 0]);
+                if (tim[c * 5 + 4] > 0) each.push_back(float(span / tim[c * 5 + 4] * 1e-3));
+                ns += span;
+                cycles += double(tim[c * 5 + 3] - tim[c * 5 + 2]);
+            }
+            std::sort(each.begin(), each.end());
+            per_tile.push_back(each.empty() ? 0.f : each[each.size() / 2]);
+            mhz.push_back(ns > 0 ? float(cycles / ns * 1e3) : 0.f);
+        }
+        auto median = [](std::vector<float> v) {
+            std::sort(v.begin(), v.end());
+            return v[v.size() / 2];
+        };
+        std::printf("%-13s %7d %5d %6d %7s %4s %9.3f %10.2f %8.0f\n", md.name, md.csize, grid, md.stages,
+                    md.rotate ? "yes" : "no", md.mma ? "yes" : "no", median(ms), median(per_tile), median(mhz));
+    }
+    return 0;
+}
