@@ -88,7 +88,8 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
 }
 
 __device__ __forceinline__ void tma_load(const CUtensorMap* map, uint32_t dst, uint64_t* bar, int col, int row) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];"
                  ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(smem_u32(bar)) : "memory");
 }
 
@@ -201,8 +202,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                 if (warp == 0 && lane == 0) {
                     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + s)),
                                  "r"(2 * W_BOX + (rows == TMA ? A_STAGE : 0)) : "memory");
-                    tma_load_once(&wmap, stage + A_STAGE, full + s, kb * KBLK, m * HID + nt * 2 * WROWS);
-                    tma_load_once(&wmap, stage + A_STAGE + W_BOX, full + s, kb * KBLK, m * HID + nt * 2 * WROWS + WROWS);
+                    const int wrow = m * HID + nt * 2 * WROWS;  // the tile's first output row
+                    tma_load_once(&wmap, stage + A_STAGE, full + s, kb * KBLK, wrow);
+                    tma_load_once(&wmap, stage + A_STAGE + W_BOX, full + s, kb * KBLK, wrow + WROWS);
                     if (rows == TMA) tma_load(&hmap, stage, full + s, kb * KBLK, m * TOK);
                 }
                 if (copies) {
@@ -254,7 +256,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 }
             }
             __syncwarp();
-            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + s)) : "memory");
+            if (lane == 0)
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + s)) : "memory");
         }
     }
     if (!ok) atomicExch(failed, 1);
