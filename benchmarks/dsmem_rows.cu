@@ -30,8 +30,17 @@
 //   h from self    the same copies from this CTA's own 40 KB: the copy's cost without the network
 // The ring has 3 stages where the 40 KB are held (3 x 52 + 40 KB fit, 4 x 52 + 40 do not). The modes
 // run on the full grid (one CTA an SM) and on the grid clusters of 8 can fill, with and without the
-// MMAs. Prints the median launch, a tile's time on one SM (each CTA's span over its tiles, median
-// over the CTAs) and the SM clock.
+// MMAs.
+//
+// And a second question the first run raised (h by TMA cost a down tile 0.3-0.9 us in clusters of 8
+// against 2.0 us on the same grid without clusters): do the CTAs that share an M tile read its rows
+// more cheaply when they run as one cluster, inside one GPC, than apart? Both kinds of tile (gate/up
+// tiles: K 2048, the gate and up boxes, 160 x rows by TMA from a copy in dispatch order, which the
+// launch's gathered rows cost as much as), each with and without its rows, on the full grid, on the
+// clusters' grid without clusters, in clusters of 8 whose CTAs share an M tile (grouped) and in
+// clusters of 8 whose CTAs take 8 different M tiles (apart), in three interleaved passes.
+// Prints the median launch, a tile's time on one SM (each CTA's span over its tiles, median over the
+// CTAs) and the SM clock.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -43,9 +52,10 @@
 constexpr int TOK = 160;                                  // token rows a tile (the T = 1024 band)
 constexpr int WROWS = 128;                                // output rows a box; a tile has two
 constexpr int KBLK = 64;                                  // bf16 columns a stage (128 B: one swizzle row)
-constexpr int HID = 2048;                                 // the down GEMM's output rows an expert
-constexpr int INTER = 1024;                               // K of the down GEMM
-constexpr int KB = INTER / KBLK;                          // stages a tile
+constexpr int HID = 2048;                                 // the down GEMM's output rows an expert; gate/up's K
+constexpr int INTER = 1024;                               // K of the down GEMM; gate rows an expert
+constexpr int COLS = HID;                                 // the buffers' columns (a down tile uses the first INTER)
+constexpr int W_ROWS_M = HID;                             // weight rows an expert: 2048 down rows, or gate + up
 constexpr int M_TILES = 64;                               // experts, one M tile each at T = 1024
 constexpr int N_TILES = HID / (2 * WROWS);                // column tiles an M tile: 8
 constexpr int TILES = M_TILES * N_TILES;
@@ -61,7 +71,8 @@ constexpr int CONSUMER_WARPS = 8;
 constexpr int CHUNKS = A_STAGE / 16 / 128;                // 16 B copies a producer thread makes a stage: 10
 constexpr long long WAIT_CYCLES = 4000000000LL;           // a wait gives up after this (about 2 s)
 
-static_assert(INTER / KBLK % CLUSTER == 0 && CHUNKS * 16 * 128 == A_STAGE, "the slices and copies divide evenly");
+static_assert(HID == 2 * INTER && INTER / KBLK % CLUSTER == 0 && CHUNKS * 16 * 128 == A_STAGE,
+              "the slices and copies divide evenly");
 
 enum Rows { NONE = 0, TMA = 1, PEERS = 2, SELF = 3 };
 
@@ -145,8 +156,8 @@ __device__ __forceinline__ void wgmma_m64n160k16(float (&d)[80], uint64_t desc_a
 // One launch of a mode. timing[cta] = {globaltimer at start, at end, clock64 at start, at end, tiles}.
 __global__ void __launch_bounds__(THREADS, 1)
     down_tiles(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap hmap, const uint16_t* h,
-               int csize, int stages, int rows, int rotate, int mma, int* failed, int* done, float* sink,
-               long long* timing) {
+               int gateup, int csize, int spread, int stages, int rows, int rotate, int mma, int* failed, int* done,
+               float* sink, long long* timing) {
     extern __shared__ char raw[];
     char* ring = reinterpret_cast<char*>((uintptr_t(raw) + 1023) & ~uintptr_t(1023));
     __shared__ __align__(8) uint64_t full[4], empty[4];
@@ -161,7 +172,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         // r * 128 + (c ^ (r % 8)) * 16.
         for (int i = threadIdx.x; i < SLICE / 16; i += THREADS) {
             const int blk = i / (A_STAGE / 16), r = i % (A_STAGE / 16) / 8, c = i % 8;
-            const uint16_t* src = h + size_t(r) * INTER + (int(rank) * 2 + blk) * KBLK + c * 8;
+            const uint16_t* src = h + size_t(r) * COLS + (int(rank) * 2 + blk) * KBLK + c * 8;
             store_shared(slice + blk * A_STAGE + r * 128 + ((c ^ (r & 7)) * 16), *reinterpret_cast<const uint4*>(src));
         }
     }
@@ -179,8 +190,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         t0 = (long long)global_ns();
         c0 = clock64();
     }
-    // Cluster c takes units c, c + clusters, ...; a unit is csize column tiles of one M tile, one a CTA.
-    const int cluster = blockIdx.x / csize, clusters = gridDim.x / csize, per_m = N_TILES / csize;
+    // Grouped: cluster c takes units c, c + clusters, ...; a unit is csize column tiles of one M tile, one a
+    // CTA, so the CTAs that share an M tile run it together. Spread: CTA b takes tiles b, b + grid, ..., tile t
+    // being column tile t / M_TILES of M tile t % M_TILES, so those CTAs are far apart (other clusters).
+    const int KB = gateup ? HID / KBLK : INTER / KBLK;  // stages a tile
+    const int cluster = spread ? blockIdx.x : blockIdx.x / csize, clusters = spread ? gridDim.x : gridDim.x / csize;
+    const int per_m = spread ? N_TILES : N_TILES / csize;
     const int units = M_TILES * per_m;
     const int n_units = cluster < units ? (units - cluster + clusters - 1) / clusters : 0;
     const int n_stages = n_units * KB;
@@ -193,7 +208,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (copies || (warp == 0 && lane == 0)) {
             for (int n = 0; n < n_stages; ++n) {
                 const int s = n % stages, kb = kblock(n), u = cluster + n / KB * clusters;
-                const int m = u / per_m, nt = u % per_m * csize + int(rank);
+                const int m = spread ? u % M_TILES : u / per_m;
+                const int nt = spread ? u / M_TILES : u % per_m * csize + int(rank);
                 if (n >= stages) {
                     const bool freed = wait_parity(empty + s, ((n / stages) & 1) ^ 1);
                     if (!(ok = copies ? __all_sync(0xffffffffu, freed) : freed)) break;
@@ -202,9 +218,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                 if (warp == 0 && lane == 0) {
                     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + s)),
                                  "r"(2 * W_BOX + (rows == TMA ? A_STAGE : 0)) : "memory");
-                    const int wrow = m * HID + nt * 2 * WROWS;  // the tile's first output row
+                    // The tile's two boxes: gate and up rows nt * 128 of the expert, or its output rows nt * 256.
+                    const int wrow = m * W_ROWS_M + nt * (gateup ? WROWS : 2 * WROWS);
                     tma_load_once(&wmap, stage + A_STAGE, full + s, kb * KBLK, wrow);
-                    tma_load_once(&wmap, stage + A_STAGE + W_BOX, full + s, kb * KBLK, wrow + WROWS);
+                    tma_load_once(&wmap, stage + A_STAGE + W_BOX, full + s, kb * KBLK, wrow + (gateup ? INTER : WROWS));
                     if (rows == TMA) tma_load(&hmap, stage, full + s, kb * KBLK, m * TOK);
                 }
                 if (copies) {
@@ -284,7 +301,7 @@ __global__ void fill(uint16_t* w, size_t n) {
 
 struct Mode {
     const char* name;
-    int csize, full_grid, stages, rows, rotate, mma;
+    int gateup, csize, spread, full_grid, stages, rows, rotate, mma;
 };
 
 int main(int argc, char** argv) {
@@ -300,16 +317,17 @@ int main(int argc, char** argv) {
         return 2;
     }
     const int sms = prop.multiProcessorCount;
-    const size_t w_elems = size_t(M_TILES) * HID * INTER, h_elems = size_t(M_TILES) * TOK * INTER;
+    // One weight buffer serves both kinds of tile: an expert's 2048 rows are its down rows or its gate and up rows.
+    const size_t w_elems = size_t(M_TILES) * W_ROWS_M * COLS, h_elems = size_t(M_TILES) * TOK * COLS;
     uint16_t *w, *h;
-    CHECK(cudaMalloc(&w, w_elems * 2));  // 256 MiB: E64's down weights, streamed from HBM
-    CHECK(cudaMalloc(&h, h_elems * 2));  // 20 MiB: 160 h rows an expert, in dispatch order
+    CHECK(cudaMalloc(&w, w_elems * 2));  // 512 MiB: E64's gate and up (or down) weights, streamed from HBM
+    CHECK(cudaMalloc(&h, h_elems * 2));  // 40 MiB: 160 token rows an expert in dispatch order (x's, or h's)
     fill<<<sms * 4, 1024>>>(w, w_elems);
     fill<<<sms * 4, 1024>>>(h, h_elems);
     CHECK(cudaGetLastError());
     CUtensorMap wmap, hmap;
-    if (!rows_map(&wmap, w, INTER, size_t(M_TILES) * HID, INTER * 2, WROWS)) return 1;
-    if (!rows_map(&hmap, h, INTER, size_t(M_TILES) * TOK, INTER * 2, TOK)) return 1;
+    if (!rows_map(&wmap, w, COLS, size_t(M_TILES) * W_ROWS_M, COLS * 2, WROWS)) return 1;
+    if (!rows_map(&hmap, h, COLS, size_t(M_TILES) * TOK, COLS * 2, TOK)) return 1;
     CHECK(cudaFuncSetAttribute(down_tiles, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
 
     cudaLaunchConfig_t cfg = {};
@@ -340,20 +358,31 @@ int main(int argc, char** argv) {
     CHECK(cudaEventCreate(&e0));
     CHECK(cudaEventCreate(&e1));
 
-    const Mode modes[] = {
-        {"weights only", 1, 1, 4, NONE, 0, 1}, {"h by TMA", 1, 1, 4, TMA, 0, 1},
-        {"weights only", 1, 0, 4, NONE, 0, 1}, {"h by TMA", 1, 0, 4, TMA, 0, 1},
-        {"weights only", 8, 0, 3, NONE, 0, 1}, {"h by TMA", 8, 0, 3, TMA, 0, 1},
-        {"h by TMA", 8, 0, 4, TMA, 0, 1},      {"h from peers", 8, 0, 3, PEERS, 0, 1},
-        {"h from peers", 8, 0, 3, PEERS, 1, 1}, {"h from self", 8, 0, 3, SELF, 0, 1},
-        {"weights only", 8, 0, 3, NONE, 0, 0}, {"h by TMA", 8, 0, 3, TMA, 0, 0},
-        {"h from peers", 8, 0, 3, PEERS, 1, 0}, {"h from self", 8, 0, 3, SELF, 0, 0},
+    // Whether the CTAs that share an M tile read its rows more cheaply as one cluster (one GPC) than apart, for
+    // both kinds of tile, in three interleaved passes; then h from the peers' shared memory (down tiles).
+    const Mode compare[] = {
+        {"weights only", 0, 1, 0, 1, 4, NONE, 0, 1}, {"rows by TMA", 0, 1, 0, 1, 4, TMA, 0, 1},
+        {"weights only", 0, 1, 0, 0, 4, NONE, 0, 1}, {"rows by TMA", 0, 1, 0, 0, 4, TMA, 0, 1},
+        {"weights only", 0, 8, 0, 0, 4, NONE, 0, 1}, {"rows by TMA", 0, 8, 0, 0, 4, TMA, 0, 1},
+        {"weights only", 0, 8, 1, 0, 4, NONE, 0, 1}, {"rows by TMA", 0, 8, 1, 0, 4, TMA, 0, 1},
+        {"weights only", 1, 1, 0, 1, 4, NONE, 0, 1}, {"rows by TMA", 1, 1, 0, 1, 4, TMA, 0, 1},
+        {"weights only", 1, 1, 0, 0, 4, NONE, 0, 1}, {"rows by TMA", 1, 1, 0, 0, 4, TMA, 0, 1},
+        {"weights only", 1, 8, 0, 0, 4, NONE, 0, 1}, {"rows by TMA", 1, 8, 0, 0, 4, TMA, 0, 1},
+        {"weights only", 1, 8, 1, 0, 4, NONE, 0, 1}, {"rows by TMA", 1, 8, 1, 0, 4, TMA, 0, 1},
     };
-    std::printf("E64 down tiles at T = 1024: %d tiles of %d h rows x %d output rows, K %d; median of %d launches\n",
-                TILES, TOK, 2 * WROWS, INTER, rounds);
-    std::printf("%-13s %7s %5s %6s %7s %4s %9s %10s %8s\n", "mode", "cluster", "CTAs", "stages", "rotated", "MMA",
-                "ms", "us a tile", "SM MHz");
-    for (const Mode& md : modes) {
+    const Mode peers[] = {
+        {"weights only", 0, 8, 0, 0, 3, NONE, 0, 1},  {"rows by TMA", 0, 8, 0, 0, 3, TMA, 0, 1},
+        {"h from peers", 0, 8, 0, 0, 3, PEERS, 0, 1}, {"h from peers", 0, 8, 0, 0, 3, PEERS, 1, 1},
+        {"h from self", 0, 8, 0, 0, 3, SELF, 0, 1},   {"weights only", 0, 8, 0, 0, 3, NONE, 0, 0},
+        {"rows by TMA", 0, 8, 0, 0, 3, TMA, 0, 0},    {"h from peers", 0, 8, 0, 0, 3, PEERS, 1, 0},
+        {"h from self", 0, 8, 0, 0, 3, SELF, 0, 0},
+    };
+    std::printf("E64 at T = 1024, %d tiles of each kind: down tiles of %d h rows x %d output rows, K %d; gate/up "
+                "tiles of %d x rows x %d gate + %d up rows, K %d; median of %d launches\n", TILES, TOK, 2 * WROWS,
+                INTER, TOK, WROWS, WROWS, HID, rounds);
+    std::printf("%-13s %-7s %7s %-7s %5s %6s %7s %4s %9s %10s %8s\n", "mode", "tiles", "cluster", "sharers", "CTAs",
+                "stages", "rotated", "MMA", "ms", "us a tile", "SM MHz");
+    auto run = [&](const Mode& md) {
         const int grid = md.full_grid ? sms : grid8;
         attr[0].val.clusterDim.x = md.csize;
         cfg.gridDim = dim3(grid);
@@ -361,13 +390,13 @@ int main(int argc, char** argv) {
         for (int it = 0; it < rounds + 3; ++it) {  // three untimed launches first
             CHECK(cudaMemset(done, 0, 4));
             CHECK(cudaEventRecord(e0));
-            CHECK(cudaLaunchKernelEx(&cfg, down_tiles, wmap, hmap, (const uint16_t*)h, md.csize, md.stages, md.rows,
-                                     md.rotate, md.mma, failed, done, sink, timing));
+            CHECK(cudaLaunchKernelEx(&cfg, down_tiles, wmap, hmap, (const uint16_t*)h, md.gateup, md.csize,
+                                     md.spread, md.stages, md.rows, md.rotate, md.mma, failed, done, sink, timing));
             const Launched l = finish_launch(e0, e1, done, failed);
             if (l.done != grid || l.gave_up) {
                 std::printf("%s, cluster %d: %d of %d CTAs finished%s\n", md.name, md.csize, l.done, grid,
                             l.gave_up ? ", a wait gave up" : "");
-                return 1;
+                return false;
             }
             if (it < 3) continue;
             ms.push_back(l.ms);
@@ -388,8 +417,18 @@ int main(int argc, char** argv) {
             std::sort(v.begin(), v.end());
             return v[v.size() / 2];
         };
-        std::printf("%-13s %7d %5d %6d %7s %4s %9.3f %10.2f %8.0f\n", md.name, md.csize, grid, md.stages,
+        std::printf("%-13s %-7s %7d %-7s %5d %6d %7s %4s %9.3f %10.2f %8.0f\n", md.name,
+                    md.gateup ? "gate/up" : "down", md.csize, md.spread ? "apart" : "grouped", grid, md.stages,
                     md.rotate ? "yes" : "no", md.mma ? "yes" : "no", median(ms), median(per_tile), median(mhz));
+        return true;
+    };
+    for (int pass = 0; pass < 3; ++pass) {
+        std::printf("pass %d\n", pass + 1);
+        for (const Mode& md : compare)
+            if (!run(md)) return 1;
     }
+    std::printf("h from the peers' shared memory\n");
+    for (const Mode& md : peers)
+        if (!run(md)) return 1;
     return 0;
 }
