@@ -215,6 +215,7 @@ def single_launches(gemm: GemmMaker, gateup: KernelPlan, spec: MoESpec, target: 
     fused_slot = counters.slot("gemm_fused")
     kernels.append(fused_gemm(gateup, H, I, E, counters.used, target, S, counters.shared, fused_slot,
                               counters.done, K, bool(ov.get("debug_break_dependency"))))
+    launch_ctas(kernels[-1], target, ov)
     lag = ov.get("gemm_fused.wave_lag", 0)
     if lag and S:
         raise PlanError("gemm_fused.wave_lag: the wavefront tile order is not generated with a shared expert")
@@ -293,6 +294,7 @@ def swapped_bands(gemm: GemmMaker, bands: list, spec: MoESpec, counters: Counter
                           counters.done, K, name=name)
         band.params.update(wave_lag=0, doc="Routed gate/up (SwiGLU) and down projections in one launch, "
                                            f"swapped tiles of {n} token rows.")
+        launch_ctas(band, gemm.target, ov)
         for a in band.args:
             a.tensor = {"tile_expert": "tile_expert_w", "h_ready": "h_ready_w"}.get(a.tensor, a.tensor)
         # (launch_sync shared). Calls up to small_t tokens: each CTA counts every expert
@@ -522,6 +524,22 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
                       grid=f"(min({p['sms']}, {tiles}),)", block=p["threads"],
                       warp_roles=gateup.warp_roles + ["a down tile's TMA producer first waits on h_ready[m]"],
                       smem_bytes=gateup.smem_bytes)
+
+
+def launch_ctas(fused: KernelPlan, target: Target, ov: dict) -> None:
+    """Override launch_ctas: a single launch on fewer CTAs than the GPU has SMs (its grid and the
+    chunks of its dispatch phase follow), to measure whether fewer SMs pulling bytes through L2 at
+    once take them in faster (benchmarks/dsmem_rows.cu: 120 CTAs moved 4% more tiles a
+    microsecond than 132 where the tiles load token rows)."""
+    n = ov.get("launch_ctas")
+    if n is None:
+        return
+    if n > target.sms:
+        raise PlanError(f"launch_ctas: {n} CTAs, more than the {target.sms} SMs the launch can hold at once")
+    old = f"(min({fused.params['sms']}, "
+    assert fused.grid.startswith(old), fused.grid
+    fused.grid = f"(min({n}, " + fused.grid[len(old):]
+    fused.params["sms"] = n
 
 
 def dispatch_in_launch(fused: KernelPlan, dparams: dict, overrides: dict, buffers: list,
