@@ -11,8 +11,8 @@ from mokgen.codegen.build import build_profiling
 from mokgen.ir import PRESETS, MoESpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_golden_gpu import (BROKEN_BUILDS, FUSED_OVERRIDES, LAUNCH_CTAS_SWEEP, SAME_BITS_EXPERIMENTS, SHAPES,  # noqa: E402
-                             WAVE_OVERRIDES, deadlock_dir, experiment_dir, fused_dir, spec_of)
+from test_golden_gpu import (BROKEN_BUILDS, FUSED_OVERRIDES, SAME_BITS_EXPERIMENTS, SHAPES, WAVE_OVERRIDES,  # noqa: E402
+                             deadlock_dir, experiment_dir, fused_dir, spec_of)
 
 force = "--force" in sys.argv
 specs = [spec_of(s) for s in SHAPES]
@@ -122,7 +122,3 @@ for name, overrides in SAME_BITS_EXPERIMENTS.items():
             + (shared_layers if name == "multi" else []) \
             + ([spec_of(SHAPES[2])] if name in ("multi", "claim_late") else []):
         build(spec, experiment_dir(name), overrides=overrides, force=force, log=lambda m: None)
-# The single launch on fewer CTAs than SMs (compare_experiment.py ctas124,ctas120,...,multi).
-for n in LAUNCH_CTAS_SWEEP:
-    build(spec_of(SHAPES[0]), experiment_dir(f"ctas{n}"), overrides={"launch_ctas": n}, force=force,
-          log=lambda m: None)

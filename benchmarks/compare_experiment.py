@@ -14,8 +14,7 @@ launch's bands by T: its plain 128-row tiles at every T), nopairs (without weigh
 single launch's combine after every down tile and a status_mirror launch behind it), nodiscard (the
 bands' combine without its L2 discards; discard_rows and discard_pad: one part of them each;
 h_by_combine: h's lines dropped by the combine in every band, none by an M tile's last down tile),
-claim_late (each CTA claims its next tile once its current tile's loads are issued), ctas124,
-ctas120, ctas116, ctas108, ctas96 (every single launch on that many CTAs, E64), or
+claim_late (each CTA claims its next tile once its current tile's loads are issued), or
 any other directory under generated/experiments; several names, comma-separated, are timed side by
 side in the same rounds, each against the default build.
 V defaults to the OLMoE layer. --eager also times the builds called directly (launch overhead

@@ -653,14 +653,10 @@ def test_fused_launch_captures_and_replays_with_new_inputs(gen):
 #             default O(T*K) chunked ones do;
 #   multi:    one launch per GEMM at every T (the default runs the fused launch up to
 #             fused_max_tokens tokens);
-#   apart:    the fused launch after the two dispatch kernels (the default dispatches inside it);
-#   ctas120:  every single launch on 120 CTAs, the other SMs idle (launch_ctas; a CTA's tiles are
-#             claimed from the same counters, each tile's sum in the same K order).
+#   apart:    the fused launch after the two dispatch kernels (the default dispatches inside it).
 SAME_BITS_EXPERIMENTS = {"cluster2": {"cluster_m": 2}, "per_expert": {"dispatch_chunked": False},
                          "multi": {"fuse_gemms": False}, "apart": {"dispatch_in_launch": False},
-                         "claim_late": {"claim_late": True}, "ctas120": {"launch_ctas": 120}}
-# The single launch on fewer CTAs than SMs, timed by compare_experiment.py (E64 only; ctas120 above).
-LAUNCH_CTAS_SWEEP = (124, 116, 108, 96)
+                         "claim_late": {"claim_late": True}}
 
 
 def experiment_dir(name):

@@ -1054,18 +1054,3 @@ def test_each_planning_constant_is_decided_in_one_module():
     twice = {name: files for name, files in where.items() if len(files) > 1}
     assert not twice, f"constants assigned in more than one planning module: {twice}"
     assert len(where) > 50  # (the scan sees the modules' constants)
-
-
-def test_launch_ctas_puts_every_single_launch_on_fewer_ctas():
-    """Override launch_ctas (an experiment): every single launch, its bands and routing twins, runs
-    on at most that many CTAs, its dispatch chunks sized for them; more CTAs than the SMs, or none,
-    is an error, and no other kernel changes."""
-    spec = MoESpec(experts=64, topk=8, hidden=2048, intermediate=1024)
-    plain, fewer = make_plan(spec), make_plan(spec, overrides={"launch_ctas": 120})
-    launches = [k for k in fewer.kernels if k.params.get("fused") and k.stage == "gemm"]
-    assert len(launches) > 2 and all(k.grid.startswith("(min(120, ") and k.params["sms"] == 120 for k in launches)
-    before = {k.name: k for k in plain.kernels}
-    assert all(k.grid == before[k.name].grid for k in fewer.kernels if k not in launches)
-    for bad, why in ((H200.sms + 1, "more than the"), (0, "illegal value")):
-        with pytest.raises(PlanError, match=why):
-            make_plan(spec, overrides={"launch_ctas": bad})

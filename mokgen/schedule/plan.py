@@ -550,7 +550,6 @@ def add_task_records(kernels: list, forward: list, buffers: list, tasks: dict) -
 # discard_what ("all", "rows" or "padding") limits the combine's discards (discard_consumed) to the
 # token rows' lines or to the padding rows' (to measure each part); discard_h_early puts h's
 # discards in every band on the M tile's last down tile (true) or on the combine (false).
-# launch_ctas runs every single launch on at most that many CTAs (fewer than the SMs: an experiment).
 OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_break_dependency|debug_break_dispatch"
                            r"|debug_break_combine"
                            r"|profile|fuse_gemms"
@@ -559,7 +558,7 @@ OVERRIDE_KEYS = re.compile(r"row_tile|wait_timeout_ms|debug_unchecked|debug_brea
                            r"|ep_fused_combine|dispatch_in_launch|fused_small|combine_unroll|launch_local_count|launch_chunked|swap_rows"
                            r"|weights_evict_first|rows_evict_last|weight_pairs|combine_early|mirror_status"
                            r"|discard_consumed|discard_what|discard_h_early|per_gemm_tokens|per_gemm_tokens_on"
-                           r"|claim_late|launch_ctas"
+                           r"|claim_late"
                            r"|(gemm_gateup|gemm_down|shared_gateup|shared_down)"
                            r"\.(tile_n|raster|epi_stages)|gemm_fused_n\d+\.(epi_stages|tile_k|tile_n|gather_lag)"
                            r"|(gemm_gateup|bwd_dgrad_down)\.gather_lag|gemm_fused\.wave_lag")
@@ -616,8 +615,7 @@ def check_overrides(overrides: dict) -> None:
                 or (key.endswith(".epi_stages") and value not in range(1, 9))
                 or (key.endswith(".tile_k") and value not in (64, 128))
                 or (key == "gemm_fused.wave_lag" and value < 0)  # (0: every gate/up tile first)
-                or (key == "combine_unroll" and value not in range(1, 9))
-                or (key == "launch_ctas" and value < 1)):
+                or (key == "combine_unroll" and value not in range(1, 9))):
             raise PlanError(f"illegal value {value!r} for plan override {key!r}")
 
 

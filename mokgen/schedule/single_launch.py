@@ -214,8 +214,7 @@ def single_launches(gemm: GemmMaker, gateup: KernelPlan, spec: MoESpec, target: 
     E, K, H, I, S = spec.local_experts, spec.topk, spec.hidden, spec.intermediate, spec.shared_intermediate
     fused_slot = counters.slot("gemm_fused")
     kernels.append(fused_gemm(gateup, H, I, E, counters.used, target, S, counters.shared, fused_slot,
-                              counters.done, K, bool(ov.get("debug_break_dependency")),
-                              ctas=launch_ctas(target, ov)))
+                              counters.done, K, bool(ov.get("debug_break_dependency"))))
     lag = ov.get("gemm_fused.wave_lag", 0)
     if lag and S:
         raise PlanError("gemm_fused.wave_lag: the wavefront tile order is not generated with a shared expert")
@@ -291,7 +290,7 @@ def swapped_bands(gemm: GemmMaker, bands: list, spec: MoESpec, counters: Counter
                         swap=True)
         decisions.pop()  # (its tiling is stated with the launch below)
         band = fused_gemm(gateup_w, H, I, E, counters.used, gemm.target, 0, 0, counters.slot("gemm_fused"),
-                          counters.done, K, name=name, ctas=launch_ctas(gemm.target, ov))
+                          counters.done, K, name=name)
         band.params.update(wave_lag=0, doc="Routed gate/up (SwiGLU) and down projections in one launch, "
                                            f"swapped tiles of {n} token rows.")
         for a in band.args:
@@ -487,12 +486,11 @@ def down_tiles(hidden: int, tile_n: int) -> int:
 
 def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, target: Target, S: int = 0,
                shared_slot: int = 0, sched_slot: int = 0, done_slot: int | None = None, K: int = 0,
-               debug_break_dependency: bool = False, name: str = "gemm_fused", ctas: int | None = None) -> KernelPlan:
+               debug_break_dependency: bool = False, name: str = "gemm_fused") -> KernelPlan:
     """gate/up and down as one persistent kernel, plus the shared expert's two GEMMs when
     the spec has one. A down tile (TILE_M x 2*tile_n) is two tile_n-wide halves, so all tile
     kinds share the gate/up kernel's MMA shape (two B operands, two accumulators), its
-    shared-memory stages and its register budget. ctas: at most that many CTAs (launch_ctas),
-    else one an SM."""
+    shared-memory stages and its register budget."""
     p = gateup.params
     unfit = fused_misfit(H, I, S, p["tile_n"])
     if unfit:
@@ -502,7 +500,7 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
                   sched_slot=sched_slot, combine=done_slot is not None, done_slot=done_slot or 0, topk=K,
                   combine_parts=combine_parts(H) if done_slot is not None else [1],
                   combine_unroll=COMBINE_UNROLL,
-                  debug_break_dependency=debug_break_dependency, sms=ctas or p["sms"],
+                  debug_break_dependency=debug_break_dependency,
                   doc="Routed gate/up (SwiGLU) and down projections in one launch"
                       + (", with the shared expert's." if S else "."))
     args = list(gateup.args[:-1]) + [
@@ -521,20 +519,9 @@ def fused_gemm(gateup: KernelPlan, H: int, I: int, E: int, used_slot: int, targe
         args += [KernelArg("ids", "topk_ids", "i32", ["T", K]), KernelArg("weights", "topk_weights", "f32", ["T", K]),
                  KernelArg("pos", "pos", "i32", ["T", K]), KernelArg("out", "out", "bf16", ["T", H])]
     return KernelPlan(name, "gemm", name, "grouped_gemm_persistent.py.j2", "main", params, args,
-                      grid=f"(min({params['sms']}, {tiles}),)", block=p["threads"],
+                      grid=f"(min({p['sms']}, {tiles}),)", block=p["threads"],
                       warp_roles=gateup.warp_roles + ["a down tile's TMA producer first waits on h_ready[m]"],
                       smem_bytes=gateup.smem_bytes)
-
-
-def launch_ctas(target: Target, ov: dict) -> int | None:
-    """Override launch_ctas: the CTAs of a single launch on fewer than the GPU's SMs (fused_gemm;
-    its grid and the chunks of its dispatch phase follow), to measure whether fewer SMs pulling
-    bytes through L2 at once take them in faster (benchmarks/dsmem_rows.cu: 120 CTAs moved 4% more
-    tiles a microsecond than 132 where the tiles load token rows). None: one CTA an SM."""
-    n = ov.get("launch_ctas")
-    if n is not None and n > target.sms:
-        raise PlanError(f"launch_ctas: {n} CTAs, more than the {target.sms} SMs the launch can hold at once")
-    return n
 
 
 def dispatch_in_launch(fused: KernelPlan, dparams: dict, overrides: dict, buffers: list,
