@@ -274,18 +274,8 @@ int main(int argc, char** argv) {
     const int grid8 = n8 * CLUSTER;
     std::printf("%s, %d SMs; clusters of %d: %d resident (%d CTAs)\n", prop.name, sms, CLUSTER, n8, grid8);
     if (n8 < 1) return 1;
-    int *failed, *done;
-    float* sink;
-    long long* timing;
-    CHECK(cudaMalloc(&failed, 4));
-    CHECK(cudaMalloc(&done, 4));
-    CHECK(cudaMalloc(&sink, 4));
-    CHECK(cudaMalloc(&timing, size_t(sms) * 5 * 8));
-    CHECK(cudaMemset(failed, 0, 4));
-    std::vector<long long> tim(size_t(sms) * 5);
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
+    ProbeLaunches pl(sms, 5);
+    const std::vector<long long>& tim = pl.tim;
 
     // Whether the CTAs that share an M tile read its rows more cheaply as one cluster (one GPC) than apart, for
     // both kinds of tile, in three interleaved passes; then h from the peers' shared memory (down tiles).
@@ -316,20 +306,13 @@ int main(int argc, char** argv) {
         attr[0].val.clusterDim.x = md.csize;
         cfg.gridDim = dim3(grid);
         std::vector<float> ms, per_tile, mhz;
-        for (int it = 0; it < rounds + 3; ++it) {  // three untimed launches first
-            CHECK(cudaMemset(done, 0, 4));
-            CHECK(cudaEventRecord(e0));
+        const auto launch = [&] {
             CHECK(cudaLaunchKernelEx(&cfg, down_tiles, wmap, hmap, (const uint16_t*)h, md.gateup, md.csize,
-                                     md.spread, md.stages, md.rows, md.rotate, md.mma, failed, done, sink, timing));
-            const Launched l = finish_launch(e0, e1, done, failed);
-            if (l.done != grid || l.gave_up) {
-                std::printf("%s, cluster %d: %d of %d CTAs finished%s\n", md.name, md.csize, l.done, grid,
-                            l.gave_up ? ", a wait gave up" : "");
-                return false;
-            }
-            if (it < 3) continue;
-            ms.push_back(l.ms);
-            CHECK(cudaMemcpy(tim.data(), timing, size_t(grid) * 5 * 8, cudaMemcpyDeviceToHost));
+                                     md.spread, md.stages, md.rows, md.rotate, md.mma, pl.failed, pl.done, pl.sink,
+                                     pl.timing));
+        };
+        const bool ok = pl.run(md.name, md.csize, grid, rounds, launch, [&](float t) {
+            ms.push_back(t);
             std::vector<float> each;
             double cycles = 0, ns = 0;
             for (int c = 0; c < grid; ++c) {
@@ -341,7 +324,8 @@ int main(int argc, char** argv) {
             std::sort(each.begin(), each.end());
             per_tile.push_back(each.empty() ? 0.f : each[each.size() / 2]);
             mhz.push_back(ns > 0 ? float(cycles / ns * 1e3) : 0.f);
-        }
+        });
+        if (!ok) return false;
         auto median = [](std::vector<float> v) {
             std::sort(v.begin(), v.end());
             return v[v.size() / 2];

@@ -29,6 +29,12 @@ set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 B="timeout 200 python3 -m mokgen.cli bench"
+# A probe on benchmarks/tile_probe.cuh (wgmma: compute_90a), built, run for 11 timed launches, removed.
+tile_probe() {
+  nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o "$OUT/$1" "benchmarks/$1.cu" \
+    && timeout 120 "$OUT/$1" 11 2>&1 | tee "$OUT/$2.log"
+  rm -f "$OUT/$1"
+}
 while [ $# -gt 0 ]; do
   case "$1" in
     # the GPU tests only: CI runs the CPU ones, and the whole suite outlasts a call there (over 360 s)
@@ -82,14 +88,8 @@ print(paths_record_path('generated', sys.argv[1], torch.cuda.get_device_name()))
       nvcc -arch=sm_90a -O2 -std=c++17 -o "$OUT/l2_near_stream" benchmarks/l2_near_stream.cu \
         && timeout 120 "$OUT/l2_near_stream" 1024 2>&1 | tee "$OUT/l2stream.log"
       rm -f "$OUT/l2_near_stream"; shift ;;
-    l2mcast)
-      nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o "$OUT/l2_multicast" benchmarks/l2_multicast.cu \
-        && timeout 120 "$OUT/l2_multicast" 11 2>&1 | tee "$OUT/l2mcast.log"
-      rm -f "$OUT/l2_multicast"; shift ;;
-    dsmem)
-      nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o "$OUT/dsmem_rows" benchmarks/dsmem_rows.cu \
-        && timeout 120 "$OUT/dsmem_rows" 11 2>&1 | tee "$OUT/dsmem.log"
-      rm -f "$OUT/dsmem_rows"; shift ;;
+    l2mcast) tile_probe l2_multicast l2mcast; shift ;;
+    dsmem) tile_probe dsmem_rows dsmem; shift ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

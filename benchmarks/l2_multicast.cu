@@ -330,18 +330,8 @@ int main(int argc, char** argv) {
         std::printf("no grid of clusters of 4 fits\n");
         return 1;
     }
-    int *failed, *done;
-    float* sink;
-    long long* timing;
-    CHECK(cudaMalloc(&failed, 4));
-    CHECK(cudaMalloc(&done, 4));
-    CHECK(cudaMalloc(&sink, 4));
-    CHECK(cudaMalloc(&timing, size_t(grid) * 4 * 8));
-    CHECK(cudaMemset(failed, 0, 4));
-    std::vector<long long> tim(size_t(grid) * 4);
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
+    ProbeLaunches pl(grid, 4);
+    const std::vector<long long>& tim = pl.tim;
 
     const Mode modes[] = {
         {"weights only", 1, 0, 0, 1, 0}, {"rows gathered", 1, 0, 1, 1, 1}, {"rows each", 1, 0, 1, 1, 0},
@@ -365,27 +355,20 @@ int main(int argc, char** argv) {
         const CUtensorMap& am = amap[md.multicast ? (md.csize == 2 ? 1 : 2) : md.load_a == 2 ? 1 : 0];
         std::vector<float> ms;
         std::vector<double> mhz;
-        for (int it = 0; it < rounds + 3; ++it) {  // three untimed launches first
-            CHECK(cudaMemset(done, 0, 4));
-            CHECK(cudaEventRecord(e0));
+        const auto launch = [&] {
             CHECK(cudaLaunchKernelEx(&cfg, tile_stream, wmap, am, md.csize, md.multicast, md.load_a, md.mma,
-                                     md.gather, x, row_token, failed, done, sink, timing));
-            const Launched l = finish_launch(e0, e1, done, failed);
-            if (l.done != grid || l.gave_up) {
-                std::printf("%s, cluster %d: %d of %d CTAs finished%s\n", md.name, md.csize, l.done, grid,
-                            l.gave_up ? ", a wait gave up" : "");
-                return 1;
-            }
-            if (it < 3) continue;
-            ms.push_back(l.ms);
-            CHECK(cudaMemcpy(tim.data(), timing, tim.size() * 8, cudaMemcpyDeviceToHost));
+                                     md.gather, x, row_token, pl.failed, pl.done, pl.sink, pl.timing));
+        };
+        const bool ok = pl.run(md.name, md.csize, grid, rounds, launch, [&](float t) {
+            ms.push_back(t);
             double cycles = 0, ns = 0;
             for (int c = 0; c < grid; ++c) {
                 ns += double(tim[c * 4 + 1] - tim[c * 4 + 0]);
                 cycles += double(tim[c * 4 + 3] - tim[c * 4 + 2]);
             }
             mhz.push_back(ns > 0 ? cycles / ns * 1e3 : 0);
-        }
+        });
+        if (!ok) return 1;
         std::vector<float> sorted = ms;
         std::sort(sorted.begin(), sorted.end());
         const float t = sorted[sorted.size() / 2];

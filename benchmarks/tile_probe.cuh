@@ -1,7 +1,10 @@
 // What the probes that run a swapped gate/up or down tile's TMA loads and wgmma share (l2_multicast.cu,
 // dsmem_rows.cu): bounded mbarrier waits, the cluster barrier, TMA loads, the wgmma descriptor and the
-// m64n160k16 MMA, a fill of small bf16 values. Needs sm_90a (compute_90a).
+// m64n160k16 MMA, a fill of small bf16 values, and the host's timed launches (ProbeLaunches). Needs sm_90a
+// (compute_90a).
 #pragma once
+#include <vector>
+
 #include "l2_probe.cuh"
 
 constexpr long long WAIT_CYCLES = 4000000000LL;  // a wait gives up after this (about 2 s)
@@ -81,3 +84,47 @@ __global__ void fill(uint16_t* w, size_t n) {
         w[i] = uint16_t(((h >> 31) << 15) | ((123 + (h >> 28 & 3)) << 7) | (h & 0x7f));
     }
 }
+
+// The words a probe kernel reports through and the host's timed launches of it: failed (a wait gave up),
+// done (the CTAs that finished), sink (results no one reads, so the compiler keeps their work) and timing
+// (words_per_cta 64-bit words a CTA, read back into tim after each timed launch).
+struct ProbeLaunches {
+    int *failed, *done;
+    float* sink;
+    long long* timing;
+    int words_per_cta;
+    std::vector<long long> tim;
+    cudaEvent_t e0, e1;
+
+    ProbeLaunches(int max_ctas, int words) : words_per_cta(words), tim(size_t(max_ctas) * words) {
+        CHECK(cudaMalloc(&failed, 4));
+        CHECK(cudaMalloc(&done, 4));
+        CHECK(cudaMalloc(&sink, 4));
+        CHECK(cudaMalloc(&timing, tim.size() * 8));
+        CHECK(cudaMemset(failed, 0, 4));
+        CHECK(cudaEventCreate(&e0));
+        CHECK(cudaEventCreate(&e1));
+    }
+
+    // rounds + 3 launches of launch() on grid CTAs, the first three untimed; after each timed one,
+    // timed(ms) with the CTAs' timing words in tim. False, with a line saying so, where a launch's CTAs
+    // did not all finish or one of its waits gave up.
+    template <class Launch, class Timed>
+    bool run(const char* name, int cluster, int grid, int rounds, Launch launch, Timed timed) {
+        for (int it = 0; it < rounds + 3; ++it) {
+            CHECK(cudaMemset(done, 0, 4));
+            CHECK(cudaEventRecord(e0));
+            launch();
+            const Launched l = finish_launch(e0, e1, done, failed);
+            if (l.done != grid || l.gave_up) {
+                std::printf("%s, cluster %d: %d of %d CTAs finished%s\n", name, cluster, l.done, grid,
+                            l.gave_up ? ", a wait gave up" : "");
+                return false;
+            }
+            if (it < 3) continue;
+            CHECK(cudaMemcpy(tim.data(), timing, size_t(grid) * words_per_cta * 8, cudaMemcpyDeviceToHost));
+            timed(l.ms);
+        }
+        return true;
+    }
+};
