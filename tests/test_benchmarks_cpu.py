@@ -414,3 +414,41 @@ def test_guard_pages_refuses_bad_arguments_before_any_gpu_work():
         with pytest.raises(SystemExit) as e:
             guard.main(bad)
         assert e.value.code == 2, bad
+
+
+def test_combine_tail_finds_when_each_token_can_be_summed(tmp_path, capsys):
+    tail = bench_module("combine_tail")
+    # 2 CTAs; 2 experts in M tiles of 2 rows; a gate/up and 2 down tiles per M tile. Expert 0 holds
+    # 3 rows (two M tiles), expert 1 one row (one M tile): tokens 0 and 1 land in expert 0's first M
+    # tile, token 2's expert-0 row in its second, token 1's and token 2's expert-1 rows in M tile 2.
+    ids = [[0, -1], [0, 1], [1, 0]]
+    params = dict(prof_cta_rows=2, n_size=128, tile_n=128, n2_tiles=2, tile_m=2, combine_parts=[1, 2, 4])
+    us = 1000
+    phases = [[0, 0, 5 * us], [1, 0, 5 * us], [0, 60 * us, 70 * us], [1, 50 * us, 70 * us]]
+    gateup = [[0, 5 * us, 20 * us], [1, 5 * us, 20 * us], [0, 20 * us, 30 * us]]
+    down = [[1, 20 * us, 30 * us], [0, 30 * us, 40 * us],  # M tile 0 done at 40 us
+            [1, 30 * us, 45 * us], [1, 45 * us, 50 * us],  # M tile 1 at 50
+            [0, 40 * us, 55 * us], [0, 55 * us, 60 * us]]  # M tile 2 at 60: the last tile
+    rows = phases + gateup + down + [[0, 0, 0]] * 4  # (unused tiles' rows stay zero)
+    assert tail.m_tiles_done(rows, params) == [40 * us, 50 * us, 60 * us]
+    assert tail.tokens_ready(ids, [40.0, 50.0, 60.0], 2, 2) == [40.0, 60.0, 60.0]
+    with pytest.raises(ValueError, match="fills 2 M tiles"):
+        tail.tokens_ready([[0], [1]], [40.0, 50.0, 60.0], 2, 2)
+    # 3 tokens, 2 CTAs of 1 warp: 2 parts a token would give a warp 3 tasks, so 1 part
+    assert tail.combine_parts(3, params, 2, 1) == 1 and tail.combine_parts(3, params, 2, 2) == 1
+    assert tail.combine_parts(3, params, 2, 4) == 2
+    a = tail.analyse(dict(rows=rows, params=params, ids=ids, experts=2), warps=1)
+    assert a["last_tile_us"] == 60 and a["end_us"] == 70 and a["after_us"] == 10
+    assert a["ready_before"]["20"] == pytest.approx(1 / 3) and a["ready_before"]["0.5"] == pytest.approx(1 / 3)
+    # the warps free at 50 and 60 us take tokens 0 (ready) and 1 (at 60), the first of them token 2
+    # (at 60): the model ends at 70 with tasks of 10 us, the last one starting as the last tile ends
+    assert a["task_us"] == pytest.approx(10.0) and a["model_token_order_after_us"] == pytest.approx(10.0)
+    saved = tmp_path / "tail.json"
+    saved.write_text(__import__("json").dumps(dict(cases={"T=3 run 0": dict(rows=rows, params=params, ids=ids,
+                                                                            experts=2)})))
+    assert tail.main(["--from-json", str(saved)]) == 0
+    assert "T=3 run 0: last tile 60.0 us, combine ends 70.0 (+10.0)" in capsys.readouterr().out
+    for bad in (["--tokens", "1,x"], ["--tokens", "0"], ["--runs", "0"]):
+        with pytest.raises(SystemExit) as e:
+            tail.main(bad)
+        assert e.value.code == 2, bad

@@ -1,0 +1,183 @@
+"""When each token's combine can start in the single launch, from a profiling build's records:
+what bounds the time between the last down tile and the end of the launch.
+
+    python benchmarks/combine_tail.py [--variant profile/e64_k8_h2048_i1024_bf16_sm90a]
+                                      [--tokens 1024,256] [--runs 3] [--json FILE]
+    python benchmarks/combine_tail.py --from-json FILE     # the analysis again, no GPU
+
+On the GPU: each run draws a uniform routing (seed = the run's index), calls the profiling build
+at each T and keeps its raw records (every tile at its claim index, each CTA's combine phase)
+with the routing. The analysis (CPU):
+  - an M tile is done when the last of its down tiles ends; the launch places an expert's rows in
+    (token, slot) order into ceil(rows / tile_m) M tiles, experts in order, and claims down tiles
+    M tile after M tile, so a token can be summed once the last M tile holding one of its rows is
+    done ("ready");
+  - how many tokens are ready 0.5 / 2 / 5 / 10 / 20 us before the last tile ends, and how long
+    the combine runs after it;
+  - a queue model of the combine: each CTA's consumer warps free when its combine phase starts,
+    a task (a token's part: the launch splits a token into the most parts that give no warp two
+    tasks) claimed by the first free warp, started once its token is ready, taking `task_us`;
+    `task_us` is fitted so that the model ends when the launch did, and the model then says what
+    claiming tokens in the order they become ready would give instead of token order.
+Prints one line per run and T; --json writes the raw records and the analysis.
+"""
+import argparse
+import heapq
+import json
+import sys
+
+READY_BEFORE_US = (0.5, 2, 5, 10, 20)
+
+
+def m_tiles_done(rows: list, params: dict) -> list[float]:
+    """The end (ns) of each used M tile's last down tile, from a single launch's raw records:
+    rows [0, c) each CTA's dispatch phase, [c, 2 c) its combine phase, then one row per tile at
+    its claim index, all gate/up tiles, then all down tiles, M tile after M tile."""
+    c = params["prof_cta_rows"]
+    if params.get("tile_order", ["gateup", "down"]) != ["gateup", "down"] or params.get("s_size"):
+        raise ValueError("only a single launch of the routed experts' gate/up tiles, then down tiles")
+    tiles = rows[2 * c:]
+    per_gateup = -(-params["n_size"] // params["tile_n"])
+    per_down = params["n2_tiles"]
+    used = sum(1 for r in tiles if r[2] > 0) // (per_gateup + per_down)
+    down = tiles[used * per_gateup: used * (per_gateup + per_down)]
+    return [max(r[2] for r in down[m * per_down:(m + 1) * per_down]) for m in range(used)]
+
+
+def tokens_ready(ids: list, done: list, tile_m: int, experts: int) -> list[float]:
+    """When each token's last M tile is done: an expert's rows in (token, slot) order fill its
+    M tiles, experts in order (ids < 0 are dropped slots, which hold no row)."""
+    count = [0] * experts
+    for row in ids:
+        for e in row:
+            if e >= 0:
+                count[e] += 1
+    first, m = [], 0
+    for e in range(experts):
+        first.append(m)
+        m += -(-count[e] // tile_m)
+    if m != len(done):
+        raise ValueError(f"the routing fills {m} M tiles, the records hold {len(done)}")
+    placed = [0] * experts
+    ready = []
+    for row in ids:
+        t = float("-inf")
+        for e in row:
+            if e >= 0:
+                t = max(t, done[first[e] + placed[e] // tile_m])
+                placed[e] += 1
+        ready.append(t)
+    return ready
+
+
+def combine_parts(tokens: int, params: dict, ctas: int, warps: int) -> int:
+    """The parts of a token's row the launch makes tasks of (templates/gemm_after_tiles.py.j2)."""
+    return max([1] + [p for p in params.get("combine_parts", [1]) if tokens * p <= ctas * warps])
+
+
+def queue_end(ready: list, free: list, order, parts: int, task_us: float, warps: int) -> float:
+    """The combine's end in the queue model: each token of `order` as `parts` tasks, each task
+    to the first free warp."""
+    heap = [t for t in free for _ in range(warps)]
+    heapq.heapify(heap)
+    end = float("-inf")
+    for i in order:
+        for _ in range(parts):
+            t = heapq.heappop(heap)
+            finish = max(t, ready[i]) + task_us
+            end = max(end, finish)
+            heapq.heappush(heap, finish)
+    return end
+
+
+def analyse(case: dict, warps: int = 8) -> dict:
+    """One run at one T: the figures above, in us from the first record."""
+    rows, params, ids = case["rows"], case["params"], case["ids"]
+    t0 = min(r[1] for r in rows if r[2] > 0)
+    us = lambda ns: (ns - t0) / 1e3  # noqa: E731
+    c = params["prof_cta_rows"]
+    done = [us(t) for t in m_tiles_done(rows, params)]
+    ready = tokens_ready(ids, done, params["tile_m"], case["experts"])
+    last_tile = max(us(r[2]) for r in rows[2 * c:] if r[2] > 0)
+    combine = [(us(r[1]), us(r[2])) for r in rows[c:2 * c] if r[2] > 0]
+    end = max(e for _, e in combine)
+    free = [s for s, _ in combine]
+    tokens = len(ids)
+    parts = combine_parts(tokens, params, c, warps)
+
+    def model(order, task_us):
+        return queue_end(ready, free, order, parts, task_us, warps) - last_tile
+
+    fit = min((abs(model(range(tokens), k / 10) - (end - last_tile)), k / 10) for k in range(1, 400))[1]
+    in_order = sorted(range(tokens), key=lambda i: ready[i])
+    return dict(tokens=tokens, parts=parts, last_tile_us=last_tile, end_us=end, after_us=end - last_tile,
+                ready_before={str(x): sum(1 for t in ready if t <= last_tile - x) / tokens for x in READY_BEFORE_US},
+                task_us=fit, model_token_order_after_us=model(range(tokens), fit),
+                model_ready_order_after_us=model(in_order, fit))
+
+
+def line(key: str, a: dict) -> str:
+    ready = " ".join(f"{x}: {f:.0%}" for x, f in a["ready_before"].items())
+    return (f"{key}: last tile {a['last_tile_us']:.1f} us, combine ends {a['end_us']:.1f} (+{a['after_us']:.1f}); "
+            f"tokens ready this many us before the last tile: {ready}; model: a task ({a['parts']} a token) "
+            f"{a['task_us']:.1f} us, "
+            f"+{a['model_token_order_after_us']:.1f} in token order, +{a['model_ready_order_after_us']:.1f} "
+            f"in the order tokens become ready")
+
+
+def collect(variant: str, tokens: list[int], runs: int) -> dict:
+    import torch
+
+    import mokgen
+    from mokgen.verify import make_inputs
+
+    v = mokgen.load(variant)
+    if not v.profiling:
+        raise SystemExit(f"{variant} is not a profiling build (build it with `mokgen build --profile`)")
+    params = {k["name"]: k["params"] for k in v.plan["kernels"]}
+    cases = {}
+    for t in tokens:
+        kernel = next((k for k in v.plan["steps"][v.forward_entry(t)] if params[k].get("prof_cta_rows")), None)
+        if kernel is None:
+            raise SystemExit(f"{variant} serves T = {t} without the single launch")
+        for run in range(runs):
+            x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, t, "uniform", torch.Generator("cuda").manual_seed(run))
+            for _ in range(4):  # the last call's records are kept
+                v.forward(x, ids, w, wg, wu, wd, *shared)
+            torch.cuda.synchronize()
+            cases[f"T={t} run {run}"] = dict(kernel=kernel, rows=v.last_records[kernel].cpu().tolist(),
+                                             ids=ids.cpu().tolist(), params=params[kernel],
+                                             experts=v.spec.local_experts)
+    return cases
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", default="profile/e64_k8_h2048_i1024_bf16_sm90a")
+    ap.add_argument("--tokens", default="1024,256")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", help="write the raw records and the analysis here")
+    ap.add_argument("--from-json", help="analyse the records a GPU run wrote (no GPU)")
+    args = ap.parse_args(argv)
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+        assert all(t > 0 for t in tokens) and args.runs > 0
+    except (ValueError, AssertionError):
+        ap.error("--tokens: positive integers, comma-separated; --runs: positive")
+    if args.from_json:
+        with open(args.from_json) as f:
+            cases = json.load(f)["cases"]
+    else:
+        cases = collect(args.variant, tokens, args.runs)
+    results = {key: analyse(case) for key, case in cases.items()}
+    for key, a in results.items():
+        print(line(key, a))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(cases=cases, results=results), f)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
