@@ -18,7 +18,9 @@ with the routing. The analysis (CPU):
     a task (a token's part: the launch splits a token into the most parts that give no warp two
     tasks) claimed by the first free warp, started once its token is ready, taking `task_us`;
     `task_us` is fitted so that the model ends when the launch did, and the model then says what
-    claiming tokens in the order they become ready would give instead of token order.
+    claiming tokens in the order they become ready would give instead of token order;
+  - with --task-cost FIXED,PER_KB (us, and us per KB of y a task reads), the model's end again with
+    each number of parts the launch can make a token, a task costing FIXED + PER_KB x its KB.
 Prints one line per run and T; --json writes the raw records and the analysis.
 """
 import argparse
@@ -90,7 +92,7 @@ def queue_end(ready: list, free: list, order, parts: int, task_us: float, warps:
     return end
 
 
-def analyse(case: dict, warps: int = 8) -> dict:
+def analyse(case: dict, warps: int = 8, task_cost: tuple[float, float] | None = None) -> dict:
     """One run at one T: the figures above, in us from the first record."""
     rows, params, ids = case["rows"], case["params"], case["ids"]
     t0 = min(r[1] for r in rows if r[2] > 0)
@@ -110,10 +112,16 @@ def analyse(case: dict, warps: int = 8) -> dict:
 
     fit = min((abs(model(range(tokens), k / 10) - (end - last_tile)), k / 10) for k in range(1, 400))[1]
     in_order = sorted(range(tokens), key=lambda i: ready[i])
-    return dict(tokens=tokens, parts=parts, last_tile_us=last_tile, end_us=end, after_us=end - last_tile,
-                ready_before={str(x): sum(1 for t in ready if t <= last_tile - x) / tokens for x in READY_BEFORE_US},
-                task_us=fit, model_token_order_after_us=model(range(tokens), fit),
-                model_ready_order_after_us=model(in_order, fit))
+    out = dict(tokens=tokens, parts=parts, last_tile_us=last_tile, end_us=end, after_us=end - last_tile,
+               ready_before={str(x): sum(1 for t in ready if t <= last_tile - x) / tokens for x in READY_BEFORE_US},
+               task_us=fit, model_token_order_after_us=model(range(tokens), fit),
+               model_ready_order_after_us=model(in_order, fit))
+    if task_cost:
+        token_kb = len(ids[0]) * params["n2_size"] * 2 / 1024  # a token's K rows of y, bf16
+        out["model_parts_after_us"] = {
+            str(n): queue_end(ready, free, range(tokens), n, task_cost[0] + task_cost[1] * token_kb / n, warps)
+            - last_tile for n in params.get("combine_parts", [1])}
+    return out
 
 
 def line(key: str, a: dict) -> str:
@@ -122,7 +130,8 @@ def line(key: str, a: dict) -> str:
             f"tokens ready this many us before the last tile: {ready}; model: a task ({a['parts']} a token) "
             f"{a['task_us']:.1f} us, "
             f"+{a['model_token_order_after_us']:.1f} in token order, +{a['model_ready_order_after_us']:.1f} "
-            f"in the order tokens become ready")
+            f"in the order tokens become ready" + "".join(
+                f"; {n} parts a token +{x:.1f}" for n, x in a.get("model_parts_after_us", {}).items()))
 
 
 def collect(variant: str, tokens: list[int], runs: int) -> dict:
@@ -158,18 +167,21 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", help="write the raw records and the analysis here")
     ap.add_argument("--from-json", help="analyse the records a GPU run wrote (no GPU)")
+    ap.add_argument("--task-cost", help="FIXED,PER_KB: also model each number of parts a token (us; us per KB)")
     args = ap.parse_args(argv)
     try:
         tokens = [int(t) for t in args.tokens.split(",")]
         assert all(t > 0 for t in tokens) and args.runs > 0
+        cost = tuple(float(x) for x in args.task_cost.split(",")) if args.task_cost else None
+        assert cost is None or (len(cost) == 2 and min(cost) >= 0)
     except (ValueError, AssertionError):
-        ap.error("--tokens: positive integers, comma-separated; --runs: positive")
+        ap.error("--tokens: positive integers, comma-separated; --runs: positive; --task-cost: two numbers >= 0")
     if args.from_json:
         with open(args.from_json) as f:
             cases = json.load(f)["cases"]
     else:
         cases = collect(args.variant, tokens, args.runs)
-    results = {key: analyse(case) for key, case in cases.items()}
+    results = {key: analyse(case, task_cost=cost) for key, case in cases.items()}
     for key, a in results.items():
         print(line(key, a))
     if args.json:

@@ -422,7 +422,8 @@ def test_combine_tail_finds_when_each_token_can_be_summed(tmp_path, capsys):
     # 3 rows (two M tiles), expert 1 one row (one M tile): tokens 0 and 1 land in expert 0's first M
     # tile, token 2's expert-0 row in its second, token 1's and token 2's expert-1 rows in M tile 2.
     ids = [[0, -1], [0, 1], [1, 0]]
-    params = dict(prof_cta_rows=2, n_size=128, tile_n=128, n2_tiles=2, tile_m=2, combine_parts=[1, 2, 4])
+    params = dict(prof_cta_rows=2, n_size=128, tile_n=128, n2_tiles=2, n2_size=256, tile_m=2,
+                  combine_parts=[1, 2, 4])
     us = 1000
     phases = [[0, 0, 5 * us], [1, 0, 5 * us], [0, 60 * us, 70 * us], [1, 50 * us, 70 * us]]
     gateup = [[0, 5 * us, 20 * us], [1, 5 * us, 20 * us], [0, 20 * us, 30 * us]]
@@ -443,12 +444,17 @@ def test_combine_tail_finds_when_each_token_can_be_summed(tmp_path, capsys):
     # the warps free at 50 and 60 us take tokens 0 (ready) and 1 (at 60), the first of them token 2
     # (at 60): the model ends at 70 with tasks of 10 us, the last one starting as the last tile ends
     assert a["task_us"] == pytest.approx(10.0) and a["model_token_order_after_us"] == pytest.approx(10.0)
+    # tasks of 1 us + 1 us a KB (a token's 2 rows of 256 bf16: 1 KB): 2 us whole, 1.5 us in halves
+    a = tail.analyse(dict(rows=rows, params=params, ids=ids, experts=2), warps=1, task_cost=(1.0, 1.0))
+    assert a["model_parts_after_us"]["1"] == pytest.approx(2.0)  # token 2 at 60 on the warp free since 50 + 2
+    assert a["model_parts_after_us"]["2"] == pytest.approx(3.0)  # tokens 1 and 2 ready at 60: 4 halves, 2 warps
     saved = tmp_path / "tail.json"
     saved.write_text(__import__("json").dumps(dict(cases={"T=3 run 0": dict(rows=rows, params=params, ids=ids,
                                                                             experts=2)})))
     assert tail.main(["--from-json", str(saved)]) == 0
     assert "T=3 run 0: last tile 60.0 us, combine ends 70.0 (+10.0)" in capsys.readouterr().out
-    for bad in (["--tokens", "1,x"], ["--tokens", "0"], ["--runs", "0"]):
+    for bad in (["--tokens", "1,x"], ["--tokens", "0"], ["--runs", "0"], ["--task-cost", "1"],
+                ["--task-cost", "1,-1"]):
         with pytest.raises(SystemExit) as e:
             tail.main(bad)
         assert e.value.code == 2, bad
