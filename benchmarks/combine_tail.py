@@ -20,7 +20,11 @@ with the routing. The analysis (CPU):
     `task_us` is fitted so that the model ends when the launch did, and the model then says what
     claiming tokens in the order they become ready would give instead of token order;
   - with --task-cost FIXED,PER_KB (us, and us per KB of y a task reads), the model's end again with
-    each number of parts the launch can make a token, a task costing FIXED + PER_KB x its KB.
+    each number of parts the launch can make a token, a task costing FIXED + PER_KB x its KB;
+  - with --split-last N,N,.. the tail before the last tile: a replay of the claims (each tile's
+    recorded time, given in claim order to the CTA that is free first, from its dispatch phase's
+    end) as it was and with the last N down tiles each split into two halves of --half of a tile
+    (a half streams half the weights and all the token rows again).
 Prints one line per run and T; --json writes the raw records and the analysis.
 """
 import argparse
@@ -92,7 +96,21 @@ def queue_end(ready: list, free: list, order, parts: int, task_us: float, warps:
     return end
 
 
-def analyse(case: dict, warps: int = 8, task_cost: tuple[float, float] | None = None) -> dict:
+def replay_claims(rows: list, params: dict, split_last: int = 0, half: float = 0.6) -> float:
+    """The last tile's end (ns) when the recorded tiles are claimed again in order, each by the
+    CTA free first (from its dispatch phase's end), the last split_last tiles in two halves."""
+    c = params["prof_cta_rows"]
+    took = [r[2] - r[1] for r in rows[2 * c:] if r[2] > 0]
+    took = took[:len(took) - split_last] + [t * half for t in took[len(took) - split_last:] for _ in range(2)]
+    free = [r[2] for r in rows[:c] if r[2] > 0]
+    heapq.heapify(free)
+    for t in took:
+        heapq.heappush(free, heapq.heappop(free) + t)
+    return max(free)
+
+
+def analyse(case: dict, warps: int = 8, task_cost: tuple[float, float] | None = None,
+            split_last: tuple[int, ...] = (), half: float = 0.6) -> dict:
     """One run at one T: the figures above, in us from the first record."""
     rows, params, ids = case["rows"], case["params"], case["ids"]
     t0 = min(r[1] for r in rows if r[2] > 0)
@@ -121,6 +139,8 @@ def analyse(case: dict, warps: int = 8, task_cost: tuple[float, float] | None = 
         out["model_parts_after_us"] = {
             str(n): queue_end(ready, free, range(tokens), n, task_cost[0] + task_cost[1] * token_kb / n, warps)
             - last_tile for n in params.get("combine_parts", [1])}
+    if split_last:
+        out["replay_last_tile_us"] = {str(n): us(replay_claims(rows, params, n, half)) for n in (0, *split_last)}
     return out
 
 
@@ -131,7 +151,9 @@ def line(key: str, a: dict) -> str:
             f"{a['task_us']:.1f} us, "
             f"+{a['model_token_order_after_us']:.1f} in token order, +{a['model_ready_order_after_us']:.1f} "
             f"in the order tokens become ready" + "".join(
-                f"; {n} parts a token +{x:.1f}" for n, x in a.get("model_parts_after_us", {}).items()))
+                f"; {n} parts a token +{x:.1f}" for n, x in a.get("model_parts_after_us", {}).items()) + "".join(
+                f"; replayed claims, the last {n} down tiles split: last tile {x:.1f}"
+                for n, x in a.get("replay_last_tile_us", {}).items()))
 
 
 def collect(variant: str, tokens: list[int], runs: int) -> dict:
@@ -168,20 +190,25 @@ def main(argv=None):
     ap.add_argument("--json", help="write the raw records and the analysis here")
     ap.add_argument("--from-json", help="analyse the records a GPU run wrote (no GPU)")
     ap.add_argument("--task-cost", help="FIXED,PER_KB: also model each number of parts a token (us; us per KB)")
+    ap.add_argument("--split-last", help="N,N,..: also replay the claims with the last N down tiles split")
+    ap.add_argument("--half", type=float, default=0.6, help="a split tile's half, as a share of the tile's time")
     args = ap.parse_args(argv)
     try:
         tokens = [int(t) for t in args.tokens.split(",")]
         assert all(t > 0 for t in tokens) and args.runs > 0
         cost = tuple(float(x) for x in args.task_cost.split(",")) if args.task_cost else None
         assert cost is None or (len(cost) == 2 and min(cost) >= 0)
+        split = tuple(int(n) for n in args.split_last.split(",")) if args.split_last else ()
+        assert all(n > 0 for n in split) and 0 < args.half <= 1
     except (ValueError, AssertionError):
-        ap.error("--tokens: positive integers, comma-separated; --runs: positive; --task-cost: two numbers >= 0")
+        ap.error("--tokens: positive integers, comma-separated; --runs: positive; --task-cost: two numbers >= 0; "
+                 "--split-last: positive integers; --half: in (0, 1]")
     if args.from_json:
         with open(args.from_json) as f:
             cases = json.load(f)["cases"]
     else:
         cases = collect(args.variant, tokens, args.runs)
-    results = {key: analyse(case, task_cost=cost) for key, case in cases.items()}
+    results = {key: analyse(case, task_cost=cost, split_last=split, half=args.half) for key, case in cases.items()}
     for key, a in results.items():
         print(line(key, a))
     if args.json:

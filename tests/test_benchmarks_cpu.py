@@ -448,13 +448,18 @@ def test_combine_tail_finds_when_each_token_can_be_summed(tmp_path, capsys):
     a = tail.analyse(dict(rows=rows, params=params, ids=ids, experts=2), warps=1, task_cost=(1.0, 1.0))
     assert a["model_parts_after_us"]["1"] == pytest.approx(2.0)  # token 2 at 60 on the warp free since 50 + 2
     assert a["model_parts_after_us"]["2"] == pytest.approx(3.0)  # tokens 1 and 2 ready at 60: 4 halves, 2 warps
+    # replayed claims: the CTAs free at 5 us take the tiles in order as recorded (15, 15, 10 us; then the
+    # down tiles 10, 10, 15, 5, 15, 5 us): both free at 45 us before the last two, so the last ends at 60;
+    # those two in halves of 0.6 (9, 9, 3, 3 us) end at 57
+    assert tail.replay_claims(rows, params) == 60 * us
+    assert tail.replay_claims(rows, params, split_last=2, half=0.6) == pytest.approx(57 * us)
     saved = tmp_path / "tail.json"
     saved.write_text(__import__("json").dumps(dict(cases={"T=3 run 0": dict(rows=rows, params=params, ids=ids,
                                                                             experts=2)})))
     assert tail.main(["--from-json", str(saved)]) == 0
     assert "T=3 run 0: last tile 60.0 us, combine ends 70.0 (+10.0)" in capsys.readouterr().out
     for bad in (["--tokens", "1,x"], ["--tokens", "0"], ["--runs", "0"], ["--task-cost", "1"],
-                ["--task-cost", "1,-1"]):
+                ["--task-cost", "1,-1"], ["--split-last", "0"], ["--half", "1.5"]):
         with pytest.raises(SystemExit) as e:
             tail.main(bad)
         assert e.value.code == 2, bad
