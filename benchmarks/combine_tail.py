@@ -36,18 +36,15 @@ READY_BEFORE_US = (0.5, 2, 5, 10, 20)
 
 
 def m_tiles_done(rows: list, params: dict) -> list[float]:
-    """The end (ns) of each used M tile's last down tile, from a single launch's raw records:
-    rows [0, c) each CTA's dispatch phase, [c, 2 c) its combine phase, then one row per tile at
-    its claim index, all gate/up tiles, then all down tiles, M tile after M tile."""
-    c = params["prof_cta_rows"]
-    if params.get("tile_order", ["gateup", "down"]) != ["gateup", "down"] or params.get("s_size"):
+    """The end (ns) of each used M tile's last down tile, from a single launch's raw records
+    (mokgen.profile.single_launch_kinds splits them: down tiles in claim order, M tile after M tile)."""
+    from mokgen.profile import single_launch_kinds
+
+    if params.get("wave_lag") or params.get("s_size"):
         raise ValueError("only a single launch of the routed experts' gate/up tiles, then down tiles")
-    tiles = rows[2 * c:]
-    per_gateup = -(-params["n_size"] // params["tile_n"])
-    per_down = params["n2_tiles"]
-    used = sum(1 for r in tiles if r[2] > 0) // (per_gateup + per_down)
-    down = tiles[used * per_gateup: used * (per_gateup + per_down)]
-    return [max(r[2] for r in down[m * per_down:(m + 1) * per_down]) for m in range(used)]
+    down = single_launch_kinds("launch", params, rows, 0)["launch down tiles"]  # (T sizes only shared tiles)
+    per_m = params["n2_tiles"]
+    return [max(r[2] for r in down[m:m + per_m]) for m in range(0, len(down), per_m)]
 
 
 def tokens_ready(ids: list, done: list, tile_m: int, experts: int) -> list[float]:
@@ -157,10 +154,8 @@ def line(key: str, a: dict) -> str:
 
 
 def collect(variant: str, tokens: list[int], runs: int) -> dict:
-    import torch
-
     import mokgen
-    from mokgen.verify import make_inputs
+    from mokgen.profile import raw_records
 
     v = mokgen.load(variant)
     if not v.profiling:
@@ -168,17 +163,13 @@ def collect(variant: str, tokens: list[int], runs: int) -> dict:
     params = {k["name"]: k["params"] for k in v.plan["kernels"]}
     cases = {}
     for t in tokens:
-        kernel = next((k for k in v.plan["steps"][v.forward_entry(t)] if params[k].get("prof_cta_rows")), None)
-        if kernel is None:
-            raise SystemExit(f"{variant} serves T = {t} without the single launch")
-        for run in range(runs):
-            x, ids, w, wg, wu, wd, shared = make_inputs(v.spec, t, "uniform", torch.Generator("cuda").manual_seed(run))
-            for _ in range(4):  # the last call's records are kept
-                v.forward(x, ids, w, wg, wu, wd, *shared)
-            torch.cuda.synchronize()
-            cases[f"T={t} run {run}"] = dict(kernel=kernel, rows=v.last_records[kernel].cpu().tolist(),
-                                             ids=ids.cpu().tolist(), params=params[kernel],
-                                             experts=v.spec.local_experts)
+        for run in range(runs):  # (routing seed = run)
+            ids, raw = raw_records(v, t, "uniform", seed=run)
+            kernel = next((k for k in raw if params[k].get("prof_cta_rows")), None)
+            if kernel is None:
+                raise SystemExit(f"{variant} serves T = {t} without the single launch")
+            cases[f"T={t} run {run}"] = dict(kernel=kernel, rows=raw[kernel], ids=ids.cpu().tolist(),
+                                             params=params[kernel], experts=v.spec.local_experts)
     return cases
 
 

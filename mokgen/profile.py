@@ -21,11 +21,11 @@ import statistics
 from pathlib import Path
 
 
-def collect(variant, tokens: int, routing: str = "uniform", seed: int = 0, warmup: int = 3) -> dict:
+def raw_records(variant, tokens: int, routing: str = "uniform", seed: int = 0, warmup: int = 3):
     """Run the forward of a profiling build (the path the Plan takes at this T: the per-GEMM
-    kernels, the single launch, in its tiles for this T) and return its task records, in us
-    from the first task's start: {task kind: [(sm, start_us, end_us), ...]} in launch order. A
-    single launch's records are split by what they time (see single_launch_kinds)."""
+    kernels, the single launch, in its tiles for this T) and return the call's topk_ids and the
+    last call's raw records, {kernel: [[sm, start_ns, end_ns], ...]} in launch order, each row
+    where the kernel wrote it (a single launch's tiles at their claim index)."""
     import torch
 
     from .verify import make_inputs
@@ -37,12 +37,17 @@ def collect(variant, tokens: int, routing: str = "uniform", seed: int = 0, warmu
     for _ in range(warmup + 1):
         variant.forward(x, ids, w, wg, wu, wd, sg, su, sd)
     torch.cuda.synchronize()
+    return ids, {k: variant.last_records[k].cpu().tolist()
+                 for k in variant.plan["steps"][variant.forward_entry(tokens)] if k in variant.last_records}
+
+
+def collect(variant, tokens: int, routing: str = "uniform", seed: int = 0, warmup: int = 3) -> dict:
+    """The forward's task records (raw_records), in us from the first task's start: {task kind:
+    [(sm, start_us, end_us), ...]} in launch order. A single launch's records are split by what
+    they time (see single_launch_kinds)."""
     params = {k["name"]: k["params"] for k in variant.plan["kernels"]}
     raw = {}
-    for k in variant.plan["steps"][variant.forward_entry(tokens)]:
-        if k not in variant.last_records:
-            continue
-        rows = variant.last_records[k].cpu().tolist()
+    for k, rows in raw_records(variant, tokens, routing, seed, warmup)[1].items():
         if params[k].get("prof_cta_rows"):
             raw.update(single_launch_kinds(k, params[k], rows, tokens))
         else:
